@@ -1,0 +1,65 @@
+"""Test sessions: the same test suite against several real vLLM releases.
+
+Each release gets its own virtual environment, installed with uv from a fully
+pinned lock file in ``envs/`` (``envs/vllm-<release>.txt``).  Environments live
+outside the checkout, under ``$VLLM_MLA_FIXES_ENV_DIR`` (default
+``~/.cache/vllm-mla-fixes/envs``), so a fresh clone on the same machine -- CI --
+reuses them; ``uv pip sync`` turns an existing environment into exactly the
+lock file's contents, and is a no-op when it already is.
+
+    nox                       # every release
+    nox -s vllm-0.25.1        # one release
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+LOCKS = ROOT / "envs"
+RELEASES = sorted(
+    (p.name[len("vllm-"):-len(".txt")] for p in LOCKS.glob("vllm-*.txt")),
+    key=lambda v: tuple(int(x) for x in v.split(".")),
+)
+ENV_DIR = Path(
+    os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
+)
+MIN_FREE_GIB_FOR_NEW_ENV = 12
+
+nox.options.envdir = str(ENV_DIR)
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+
+def _check_disk(session: nox.Session) -> None:
+    ENV_DIR.mkdir(parents=True, exist_ok=True)
+    if Path(session.virtualenv.location, "pyvenv.cfg").exists():
+        return
+    free_gib = shutil.disk_usage(ENV_DIR).free / 2**30
+    if free_gib < MIN_FREE_GIB_FOR_NEW_ENV:
+        session.error(
+            f"only {free_gib:.1f} GiB free under {ENV_DIR}; a vLLM release environment "
+            f"needs about {MIN_FREE_GIB_FOR_NEW_ENV} GiB. Free space or set VLLM_MLA_FIXES_ENV_DIR."
+        )
+
+
+def _release_session(release: str):
+    def session_func(session: nox.Session) -> None:
+        _check_disk(session)
+        lock = LOCKS / f"vllm-{release}.txt"
+        python = session.virtualenv.location
+        session.run_install("uv", "pip", "sync", "--python", python, str(lock))
+        session.run_install("uv", "pip", "install", "--python", python, "--no-deps", "-e", str(ROOT))
+        session.run("pytest", "--vllm-release", release, *session.posargs,
+                    env={"CUDA_VISIBLE_DEVICES": ""})
+
+    session_func.__doc__ = f"Install vLLM {release} as pinned, then run the tests that declare it."
+    return nox.session(python="3.11", name=f"vllm-{release}")(session_func)
+
+
+for _release in RELEASES:
+    _release_session(_release)

@@ -1,0 +1,54 @@
+"""Test selection by vLLM release.
+
+Each nox session installs one real vLLM release and runs
+``pytest --vllm-release X``.  A test marked ``@pytest.mark.vllm_release("0.25.1", ...)``
+runs only in the sessions of the releases it names; unmarked tests run in every
+session.  Without ``--vllm-release`` the installed release is used.
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--vllm-release", default=None,
+                     help="the vLLM release installed in this environment (checked)")
+
+
+def _installed_vllm() -> str | None:
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def pytest_configure(config):
+    wanted = config.getoption("--vllm-release")
+    installed = _installed_vllm()
+    if wanted is not None and wanted != installed:
+        raise pytest.UsageError(
+            f"--vllm-release {wanted} given, but this environment has vLLM {installed}")
+    config.vllm_release = wanted or installed
+
+
+def pytest_collection_modifyitems(config, items):
+    release = config.vllm_release
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("vllm_release")
+        (keep if marker is None or release in marker.args else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture
+def fresh_plugin():
+    """The plugin with nothing applied; every fix reverted afterwards."""
+    import vllm_mla_fixes
+
+    vllm_mla_fixes.revert_all()
+    yield vllm_mla_fixes
+    vllm_mla_fixes.revert_all()

@@ -1,0 +1,120 @@
+"""vllm-mla-fixes: in-place fixes for known MLA failures of vLLM.
+
+vLLM calls :func:`register` in every process it starts (entry point
+``vllm.general_plugins: mla_fixes``).  It applies each fix whose gate says the
+installed build needs it, never raises, and records a status per fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
+from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, run_fix
+
+__all__ = ["register", "status", "revert_all", "selected_fixes", "UnknownFixName"]
+
+ENV_VAR = "VLLM_MLA_FIXES"
+__version__ = "0.1.0"
+
+_lock = threading.Lock()
+_results: dict[str, AppliedFix] = {}
+
+
+class UnknownFixName(ValueError):
+    pass
+
+
+def _logger() -> logging.Logger:
+    try:  # vLLM's own logger, so our lines carry vLLM's format and level
+        from vllm.logger import init_logger
+    except Exception:
+        return logging.getLogger("vllm.mla_fixes")
+    return init_logger("vllm.mla_fixes")
+
+
+def selected_fixes(value: str | None = None) -> tuple[set[str], list[str]]:
+    """Parse ``VLLM_MLA_FIXES``: (names selected, unknown names given)."""
+    raw = os.environ.get(ENV_VAR) if value is None else value
+    raw = (raw or "").strip().lower()
+    if raw in ("", "all"):
+        return set(FIX_NAMES), []
+    if raw == "none":
+        return set(), []
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    unknown = sorted(names - set(FIX_NAMES))
+    return names & set(FIX_NAMES), unknown
+
+
+def installed_vllm_version() -> str | None:
+    import sys
+
+    module = sys.modules.get("vllm")
+    version = getattr(module, "__version__", None)
+    if version:
+        return str(version)
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: apply every needed fix; idempotent; never raises."""
+    try:
+        _register()
+    except Exception as exc:  # the plugin must never take vLLM down
+        logging.getLogger("vllm.mla_fixes").warning(
+            "vllm-mla-fixes: internal error, no further fixes applied: %s: %s",
+            type(exc).__name__, exc)
+
+
+def _register() -> None:
+    log = _logger()
+    with _lock:
+        selected, unknown = selected_fixes()
+        if unknown:
+            log.warning("vllm-mla-fixes: %s names unknown fix(es) %s; known: %s",
+                        ENV_VAR, ", ".join(unknown), ", ".join(FIX_NAMES))
+        version = installed_vllm_version()
+        for module in ALL_FIXES:
+            name = module.INFO.name
+            if name in _results and _results[name].status.state is State.APPLIED:
+                continue
+            if name not in selected:
+                _results[name] = AppliedFix(FixStatus(name, State.DISABLED, f"not selected by {ENV_VAR}"))
+                continue
+            if version is None:
+                _results[name] = AppliedFix(FixStatus(name, State.SKIPPED, "vLLM is not installed"))
+                continue
+            result = run_fix(module, version)
+            _results[name] = result
+            if result.status.state is State.APPLIED:
+                log.info("vllm-mla-fixes: applied %s (%s)", name, result.status.reason)
+            elif result.status.state is State.SKIPPED:
+                log.warning("vllm-mla-fixes: %s not applied, vLLM left untouched: %s",
+                            name, result.status.reason)
+
+
+def status() -> list[FixStatus]:
+    """One record per known fix, in order; ``not evaluated`` before :func:`register` ran."""
+    with _lock:
+        return [
+            _results[m.INFO.name].status if m.INFO.name in _results
+            else FixStatus(m.INFO.name, State.SKIPPED, "not evaluated: the plugin has not run in this process")
+            for m in ALL_FIXES
+        ]
+
+
+def revert_all() -> None:
+    """Undo every applied fix in this process (tests use it)."""
+    with _lock:
+        for name in reversed(list(_results)):
+            patch = _results[name].patch
+            if patch is not None:
+                patch.revert()
+        _results.clear()

@@ -1,0 +1,13 @@
+"""The fixes, in the order :func:`vllm_mla_fixes.register` applies them.
+
+Each module holds one fix: a DEP-3-style header, ``INFO`` (a
+:class:`~vllm_mla_fixes.patching.FixInfo`), ``probe()`` and ``apply(patch)``.
+Modules import vLLM only inside ``probe``/``apply``, so importing this package
+stays cheap.
+"""
+
+from vllm_mla_fixes.fixes import fp8_ds_mla_reshape
+
+ALL_FIXES = (fp8_ds_mla_reshape,)
+FIX_NAMES = tuple(m.INFO.name for m in ALL_FIXES)
+FIXES_BY_NAME = {m.INFO.name: m for m in ALL_FIXES}

@@ -1,0 +1,196 @@
+"""fp8-ds-mla-reshape: sparse-MLA + fp8 KV cache cannot be viewed at start-up.
+
+Upstream:   vllm-project/vllm#48896 (report), #48378 (report), #48379 (fix, merged
+            after v0.25.1), #48907 (reshape prefers spec.cache_dtype_str, unmerged)
+Affected:   vLLM 0.25.0, 0.25.1 (regression from #42890)
+Fixed in:   0.26.0
+Hardware:   FLASHMLA_SPARSE (SM90, SM100); any model whose MLA layers store
+            ``fp8_ds_mla`` (GLM-5.x GlmMoeDsa, DeepSeek-V3.2 and their MTP layers)
+
+Why it breaks
+    ``MLAAttention.get_kv_cache_spec`` builds an ``MLAAttentionSpec`` with
+    ``cache_dtype_str="fp8_ds_mla"`` but leaves ``kv_quant_mode`` at ``NONE``.
+    The allocator sizes a token at 656 bytes from ``cache_dtype_str``; the
+    reshape reads ``kv_quant_mode == NONE`` as "not quantised", asks the
+    backend for the ``"auto"`` shape ``(blocks, 64, 576)`` and the view of the
+    656-byte pages fails: ``shape '[32, 64, 576]' is invalid for input of size
+    1343488``.  CUDA-graph memory profiling hits it first; the normal KV-cache
+    initialisation calls the same reshape on the same spec, so
+    ``--enforce-eager`` does not avoid it.
+
+How we fix it
+    At the root: ``MLAAttentionSpec`` and ``SlidingWindowMLASpec`` derive
+    ``kv_quant_mode`` from ``cache_dtype_str == "fp8_ds_mla"`` when a producer
+    left it unset -- one hook on the spec classes covers every producer,
+    including the sliding-window MLA conversion in ``kv_cache_utils`` that
+    rebuilds specs without ``kv_quant_mode``.  Page sizes do not depend on
+    ``kv_quant_mode`` for this layout, so no allocation changes.
+    Guard: the reshape checks bytes allocated against the shape it was asked
+    for and, on a mismatch, raises an error naming the layer, spec, page size
+    and shape instead of a bare view error.
+
+Remove when
+    The oldest vLLM supported is >= 0.26.0 (the probe already reports
+    not-needed there: the producer passes ``kv_quant_mode`` itself).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import inspect
+import math
+import sys
+
+from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch
+
+INFO = FixInfo(
+    name="fp8-ds-mla-reshape",
+    summary="FLASHMLA_SPARSE + fp8 KV (fp8_ds_mla, 656 B/token) crashes at start-up: "
+            "the MLA KV spec says 'not quantised' and the reshape asks for 576 B/token",
+    upstream=("vllm#48896", "vllm#48378", "vllm#48379", "vllm#48907"),
+    affected=">0.24.0,<0.26.0",
+    affected_releases=("0.25.0", "0.25.1"),
+    fixed_in="0.26.0",
+    hardware="SM90, SM100 (FLASHMLA_SPARSE)",
+    error="RuntimeError: shape '[32, 64, 576]' is invalid for input of size 1343488",
+    workarounds=(
+        "--enforce-eager does NOT help on 0.25.x: it only skips CUDA-graph profiling; "
+        "KV-cache initialisation then fails the same way ([N, 64, 576] with N = the real block count)",
+        "--kv-cache-dtype auto: bf16 KV, a consistent 576x2 B layout, about 1.75x the KV memory",
+        "on SM100: --attention-backend FLASHINFER_MLA_SPARSE (plain fp8, 576 B layout)",
+        "upgrade to vLLM 0.26.0 or later",
+    ),
+)
+
+FP8_DS_MLA = "fp8_ds_mla"
+FP8_DS_MLA_BYTES_PER_TOKEN = 656
+SPEC_MODULE = "vllm.v1.kv_cache_interface"
+PRODUCER_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+RESHAPE_MODULE = "vllm.v1.worker.gpu.attn_utils"
+RESHAPE_FUNCTION = "_reshape_attention_kv_cache"
+RESHAPE_PARAMS = ("kv_raw_tensor", "kv_cache_spec", "kv_cache_shape",
+                  "kv_cache_stride_order", "num_blocks", "packing")
+
+
+class KVCacheLayoutMismatch(ValueError):
+    """Bytes allocated for a layer's KV cache do not fit the shape asked for."""
+
+
+def _module_ast(module_name: str) -> ast.Module:
+    """Parse a vLLM module's source without importing it (cheap, no side effects)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise TargetMismatch(f"{module_name} has no Python source")
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=spec.origin)
+
+
+def _find_def(tree: ast.AST, class_name: str | None, func_name: str) -> ast.FunctionDef | None:
+    scope = tree
+    if class_name is not None:
+        scope = next((n for n in ast.walk(tree)
+                      if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+        if scope is None:
+            return None
+    for node in ast.iter_child_nodes(scope):
+        if isinstance(node, ast.FunctionDef) and node.name == func_name:
+            return node
+    return None
+
+
+def producer_sets_quant_mode() -> bool:
+    """Whether ``MLAAttention.get_kv_cache_spec`` passes ``kv_quant_mode`` itself."""
+    method = _find_def(_module_ast(PRODUCER_MODULE), "MLAAttention", "get_kv_cache_spec")
+    if method is None:
+        raise TargetMismatch("MLAAttention.get_kv_cache_spec not found")
+    spec_calls = [n for n in ast.walk(method) if isinstance(n, ast.Call)
+                  and getattr(n.func, "id", getattr(n.func, "attr", None)) == "MLAAttentionSpec"]
+    if not spec_calls:
+        raise TargetMismatch("MLAAttention.get_kv_cache_spec builds no MLAAttentionSpec")
+    return all(any(k.arg == "kv_quant_mode" for k in call.keywords) for call in spec_calls)
+
+
+def probe() -> str | None:
+    import torch
+
+    try:
+        from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec
+    except ImportError as exc:
+        raise TargetMismatch(f"{SPEC_MODULE} lacks MLAAttentionSpec/KVQuantMode ({exc})") from exc
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
+                            dtype=torch.uint8, cache_dtype_str=FP8_DS_MLA)
+    if spec.page_size_bytes != 64 * FP8_DS_MLA_BYTES_PER_TOKEN:
+        raise TargetMismatch(
+            f"an fp8_ds_mla page is {spec.page_size_bytes} bytes, not 64 x {FP8_DS_MLA_BYTES_PER_TOKEN}")
+    if spec.kv_quant_mode is not KVQuantMode.NONE:
+        return "MLAAttentionSpec already derives kv_quant_mode from fp8_ds_mla"
+    if producer_sets_quant_mode():
+        return "MLAAttention.get_kv_cache_spec passes kv_quant_mode (upstream #48379 present)"
+    reshape = _find_def(_module_ast(RESHAPE_MODULE), None, RESHAPE_FUNCTION)
+    if reshape is None:
+        return f"{RESHAPE_MODULE}.{RESHAPE_FUNCTION} does not exist: views come from the spec"
+    params = tuple(a.arg for a in reshape.args.args)
+    if params != RESHAPE_PARAMS:
+        raise TargetMismatch(f"{RESHAPE_FUNCTION}{params} is not the reviewed signature")
+    return None
+
+
+def _derive_quant_mode(original_post_init):
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+
+    @functools.wraps(original_post_init)
+    def post_init_with_quant_mode(self):
+        original_post_init(self)
+        if self.kv_quant_mode is KVQuantMode.NONE and self.cache_dtype_str == FP8_DS_MLA:
+            object.__setattr__(self, "kv_quant_mode", get_kv_quant_mode(FP8_DS_MLA))
+
+    return post_init_with_quant_mode
+
+
+def _calling_layer_name() -> str:
+    """The ``layer_name`` being reshaped by vLLM's caller (both callers name it so)."""
+    frame = sys._getframe(2)
+    return str(frame.f_locals.get("layer_name", "<unknown layer>"))
+
+
+def _with_layout_check(original_reshape):
+    signature = inspect.signature(original_reshape)
+
+    @functools.wraps(original_reshape)
+    def reshape_with_layout_check(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        raw, spec, shape = (bound.arguments[p] for p in RESHAPE_PARAMS[:3])
+        if bound.arguments["packing"] is None and spec.page_size_padded is None:
+            wanted = math.prod(shape) * spec.dtype.itemsize
+            allocated = raw.numel() * raw.element_size()
+            if wanted != allocated:
+                raise KVCacheLayoutMismatch(
+                    f"vllm-mla-fixes: the KV cache of layer {_calling_layer_name()!r} cannot be "
+                    f"viewed as {tuple(shape)} x {spec.dtype} ({wanted} bytes): {allocated} bytes "
+                    f"were allocated ({bound.arguments['num_blocks']} blocks, page_size_bytes="
+                    f"{spec.page_size_bytes}) for {spec!r}. The spec's layout fields "
+                    f"(cache_dtype_str, kv_quant_mode) disagree about the page format; this is a "
+                    f"vLLM bug, not a configuration error -- report it with this message. "
+                    f"Meanwhile --kv-cache-dtype auto avoids quantised layouts.")
+        return original_reshape(*args, **kwargs)
+
+    return reshape_with_layout_check
+
+
+def apply(patch: Patch) -> None:
+    from vllm.v1 import kv_cache_interface as kvi
+
+    for spec_class in (kvi.MLAAttentionSpec, kvi.SlidingWindowMLASpec):
+        if "__post_init__" not in spec_class.__dict__:
+            raise TargetMismatch(f"{spec_class.__name__} defines no __post_init__ of its own")
+        patch.replace(spec_class, "__post_init__", _derive_quant_mode(spec_class.__dict__["__post_init__"]))
+
+    def install_guard(module) -> None:
+        original = getattr(module, RESHAPE_FUNCTION, None)
+        if original is None or tuple(inspect.signature(original).parameters) != RESHAPE_PARAMS:
+            return  # probe checked the source; a different module object is left alone
+        patch.replace_function(module, RESHAPE_FUNCTION, _with_layout_check(original))
+
+    patch.when_imported(RESHAPE_MODULE, install_guard)
