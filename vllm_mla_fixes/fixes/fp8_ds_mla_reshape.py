@@ -69,6 +69,7 @@ FP8_DS_MLA_BYTES_PER_TOKEN = 656
 SPEC_MODULE = "vllm.v1.kv_cache_interface"
 PRODUCER_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 RESHAPE_MODULE = "vllm.v1.worker.gpu.attn_utils"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 RESHAPE_FUNCTION = "_reshape_attention_kv_cache"
 RESHAPE_PARAMS = ("kv_raw_tensor", "kv_cache_spec", "kv_cache_shape",
                   "kv_cache_stride_order", "num_blocks", "packing")
@@ -112,6 +113,21 @@ def producer_sets_quant_mode() -> bool:
     return all(any(k.arg == "kv_quant_mode" for k in call.keywords) for call in spec_calls)
 
 
+def reshape_reads_quant_mode() -> bool:
+    """Whether a model runner picks the view's layout from ``kv_quant_mode``
+    (``NONE`` -> the unquantised ``"auto"`` shape), the consumer of the bug."""
+    consumers = (
+        _find_def(_module_ast(RUNNER_MODULE), "GPUModelRunner", "_reshape_kv_cache_tensors"),
+        _find_def(_module_ast(RESHAPE_MODULE), None, "_reshape_kv_cache"),
+    )
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == "NONE"
+        and getattr(node.value, "id", None) == "KVQuantMode"
+        for consumer in consumers if consumer is not None
+        for node in ast.walk(consumer)
+    )
+
+
 def probe() -> str | None:
     import torch
 
@@ -128,6 +144,8 @@ def probe() -> str | None:
         return "MLAAttentionSpec already derives kv_quant_mode from fp8_ds_mla"
     if producer_sets_quant_mode():
         return "MLAAttention.get_kv_cache_spec passes kv_quant_mode (upstream #48379 present)"
+    if not reshape_reads_quant_mode():
+        return "the KV-cache reshape takes its layout from the cache dtype, not kv_quant_mode"
     reshape = _find_def(_module_ast(RESHAPE_MODULE), None, RESHAPE_FUNCTION)
     if reshape is None:
         return f"{RESHAPE_MODULE}.{RESHAPE_FUNCTION} does not exist: views come from the spec"

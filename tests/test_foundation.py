@@ -1,0 +1,194 @@
+"""The plugin mechanism against real vLLM releases (issue 2)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import vllm_mla_fixes
+from vllm_mla_fixes import patching
+from vllm_mla_fixes.fixes import ALL_FIXES, FIXES_BY_NAME, fp8_ds_mla_reshape
+from vllm_mla_fixes.patching import Patch, State, TargetMismatch
+
+RELEASES_WITH_FIXES = ("0.25.1", "0.32.0", "0.33.0")
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
+    full_env.update(CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
+                          text=True, timeout=300)
+
+
+PLUGIN_LOAD = """
+import json, vllm.plugins, vllm_mla_fixes
+vllm.plugins.load_general_plugins()
+print("STATUS=" + json.dumps([s.label() for s in vllm_mla_fixes.status()]))
+"""
+
+
+@pytest.fixture
+def plugin_log():
+    """Records of the plugin's logger (vLLM's logger tree does not propagate to caplog)."""
+    import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.mla_fixes")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def _statuses(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("STATUS="))
+    return json.loads(line[len("STATUS="):])
+
+
+@pytest.mark.vllm_release(*RELEASES_WITH_FIXES)
+@pytest.mark.parametrize("vllm_plugins, runs", [(None, True), ("mla_fixes", True),
+                                                ("lora_filesystem_resolver", False)])
+def test_vllm_plugin_loader_runs_register(vllm_plugins, runs):
+    env = {} if vllm_plugins is None else {"VLLM_PLUGINS": vllm_plugins}
+    labels = _statuses(_run_python(PLUGIN_LOAD, **env))
+    evaluated = not any(label.startswith("skipped: not evaluated") for label in labels)
+    assert evaluated is runs, labels
+
+
+@pytest.mark.vllm_release("0.25.1", "0.33.0")
+def test_replace_function_rebinds_imported_names_and_reverts():
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.attention import backend  # imports get_kv_quant_mode by name
+
+    original = kv_cache_interface.get_kv_quant_mode
+    assert backend.get_kv_quant_mode is original
+
+    def replacement(kv_cache_dtype):
+        return original(kv_cache_dtype)
+
+    patch = Patch()
+    assert patch.replace_function(kv_cache_interface, "get_kv_quant_mode", replacement) is original
+    assert kv_cache_interface.get_kv_quant_mode is replacement
+    assert backend.get_kv_quant_mode is replacement
+    patch.revert()
+    assert kv_cache_interface.get_kv_quant_mode is original
+    assert backend.get_kv_quant_mode is original
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_when_imported_patches_a_module_as_vllm_imports_it():
+    code = """
+import sys
+from vllm_mla_fixes.patching import Patch
+name = "vllm.v1.worker.gpu.attn_utils"
+assert name not in sys.modules
+seen = []
+patch = Patch()
+patch.when_imported(name, lambda module: seen.append(module.__name__))
+assert seen == []
+import vllm.v1.worker.gpu_model_runner  # imports attn_utils on its own
+print("SEEN", seen)
+patch.revert()
+"""
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SEEN ['vllm.v1.worker.gpu.attn_utils']" in proc.stdout
+
+
+VERSIONS = ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.32.0", "0.33.0",
+            "0.25.2rc1.dev1133+g1234abc", "0.23.1rc1.dev1133+g1234abc", "not-a-version"]
+EXPECTED_ADMITTED = {
+    "fp8-ds-mla-reshape": {"0.25.0", "0.25.1", "0.25.2rc1.dev1133+g1234abc"},
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("fix", [m.INFO.name for m in ALL_FIXES if m.INFO.name in EXPECTED_ADMITTED])
+def test_release_gate_decisions(fix, version):
+    assert FIXES_BY_NAME[fix].INFO.admits(version) is (version in EXPECTED_ADMITTED[fix])
+
+
+def test_published_affected_releases_pass_their_own_gate():
+    for module in ALL_FIXES:
+        for release in module.INFO.affected_releases:
+            assert module.INFO.admits(release), (module.INFO.name, release)
+        if module.INFO.fixed_in:
+            assert not module.INFO.admits(module.INFO.fixed_in)
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fingerprint_mismatch_skips_with_one_warning_and_leaves_vllm_untouched(
+        fresh_plugin, monkeypatch, plugin_log):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    before = MLAAttentionSpec.__dict__["__post_init__"]
+    # The reviewed signature of the reshape target no longer matches what is installed.
+    monkeypatch.setattr(fp8_ds_mla_reshape, "RESHAPE_PARAMS", ("kv_raw_tensor", "renamed"))
+    fresh_plugin.register()
+    (entry,) = [s for s in fresh_plugin.status() if s.name == "fp8-ds-mla-reshape"]
+    assert entry.state is State.SKIPPED and "unexpected target" in entry.reason
+    warnings = [r for r in plugin_log if r.levelno == logging.WARNING and "fp8-ds-mla-reshape" in r.getMessage()]
+    assert len(warnings) == 1
+    assert MLAAttentionSpec.__dict__["__post_init__"] is before
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_source_fingerprint_of_a_real_function():
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    found = patching.source_fingerprint(get_kv_quant_mode)
+    patching.require_fingerprint(get_kv_quant_mode, {found: "0.25.1"}, "get_kv_quant_mode")
+    with pytest.raises(TargetMismatch, match="not one of the reviewed versions"):
+        patching.require_fingerprint(get_kv_quant_mode, {"0" * 16: "0.25.1"}, "get_kv_quant_mode")
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_register_twice_equals_once(fresh_plugin):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    fresh_plugin.register()
+    first = fresh_plugin.status()
+    hook = MLAAttentionSpec.__dict__["__post_init__"]
+    fresh_plugin.register()
+    assert fresh_plugin.status() == first
+    assert MLAAttentionSpec.__dict__["__post_init__"] is hook  # not wrapped twice
+
+
+@pytest.mark.parametrize("value, selected, unknown", [
+    (None, set(FIXES_BY_NAME), []),
+    ("all", set(FIXES_BY_NAME), []),
+    ("none", set(), []),
+    ("fp8-ds-mla-reshape", {"fp8-ds-mla-reshape"}, []),
+    (" fp8-ds-mla-reshape , bogus", {"fp8-ds-mla-reshape"}, ["bogus"]),
+])
+def test_selection_variable(monkeypatch, value, selected, unknown):
+    monkeypatch.delenv("VLLM_MLA_FIXES", raising=False)
+    if value is not None:
+        monkeypatch.setenv("VLLM_MLA_FIXES", value)
+    assert vllm_mla_fixes.selected_fixes() == (selected, unknown)
+
+
+@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.parametrize("value, state", [("none", State.DISABLED), ("all", State.APPLIED),
+                                          ("fp8-ds-mla-reshape", State.APPLIED)])
+def test_selection_variable_drives_register(fresh_plugin, monkeypatch, value, state):
+    monkeypatch.setenv("VLLM_MLA_FIXES", value)
+    fresh_plugin.register()
+    assert {s.name: s.state for s in fresh_plugin.status()}["fp8-ds-mla-reshape"] is state
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_unknown_name_warns_in_plugin_and_fails_in_cli(fresh_plugin, monkeypatch, plugin_log):
+    monkeypatch.setenv("VLLM_MLA_FIXES", "fp8-ds-mla-reshape,no-such-fix")
+    fresh_plugin.register()  # never raises
+    assert any(r.levelno == logging.WARNING and "no-such-fix" in r.getMessage() for r in plugin_log)
+    proc = _run_python("from vllm_mla_fixes.cli import main; raise SystemExit(main(['status']))",
+                       VLLM_MLA_FIXES="no-such-fix")
+    assert proc.returncode == 2
+    assert "no-such-fix" in proc.stderr and "Traceback" not in proc.stderr

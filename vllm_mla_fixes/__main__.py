@@ -1,0 +1,5 @@
+import sys
+
+from vllm_mla_fixes.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""``vllm-mla-fixes status | verify | doctor``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import vllm_mla_fixes
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
+
+
+def _check_selection() -> str | None:
+    _, unknown = vllm_mla_fixes.selected_fixes()
+    if unknown:
+        return (f"error: {vllm_mla_fixes.ENV_VAR} names unknown fix(es): {', '.join(unknown)}. "
+                f"Known fixes: {', '.join(FIX_NAMES)}; or use 'all' / 'none'.")
+    return None
+
+
+def cmd_status(args) -> int:
+    problem = _check_selection()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    if vllm_mla_fixes.installed_vllm_version() is None:
+        print("error: vLLM is not installed in this environment, so no fix can apply. "
+              "Install vllm-mla-fixes into the environment that runs `vllm serve`.", file=sys.stderr)
+        return 1
+    import vllm.plugins  # vLLM's own loader: honours VLLM_PLUGINS as `vllm serve` would
+
+    vllm.plugins.load_general_plugins()
+    rows = []
+    for module, entry in zip(ALL_FIXES, vllm_mla_fixes.status()):
+        rows.append({"name": entry.name, "state": entry.label(), "reason": entry.reason,
+                     "upstream": list(module.INFO.upstream),
+                     "affected": list(module.INFO.affected_releases),
+                     "fixed_in": module.INFO.fixed_in or "open"})
+    if args.json:
+        print(json.dumps({"vllm": vllm_mla_fixes.installed_vllm_version(), "fixes": rows}, indent=2))
+        return 0
+    print(f"vLLM {vllm_mla_fixes.installed_vllm_version()}, vllm-mla-fixes {vllm_mla_fixes.__version__}")
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        state = r["state"] if r["state"].startswith("skipped") else f"{r['state']} ({r['reason']})"
+        print(f"  {r['name']:<{width}}  {state}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from vllm_mla_fixes import verify
+
+    return verify.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-mla-fixes", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="which fixes apply in this environment")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+    verify = sub.add_parser("verify", help="reproduce each failure of the installed vLLM on CPU, then fix it")
+    verify.set_defaults(func=cmd_verify)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

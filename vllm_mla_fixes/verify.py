@@ -1,0 +1,45 @@
+"""``vllm-mla-fixes verify``: on the installed vLLM, reproduce each failure
+that this release has, then show the fix removes it -- on CPU, with the
+package's tiny model configs.
+
+Each fix that the installed release is affected by contributes a verifier
+``verify(report) -> bool`` (in ``vllm_mla_fixes/reproductions/``); ``report``
+prints one line.  A verifier applies its own fix with the plugin's mechanism
+and reverts it before returning.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from vllm_mla_fixes import installed_vllm_version
+from vllm_mla_fixes.fixes import ALL_FIXES
+
+VERIFIERS = {
+    "fp8-ds-mla-reshape": "vllm_mla_fixes.reproductions.fp8_ds_mla",
+}
+
+
+def run(report: Callable[[str], None] = print) -> int:
+    """Exit status: 0 if every relevant failure reproduced and was fixed."""
+    version = installed_vllm_version()
+    if version is None:
+        report("vLLM is not installed in this environment; install the vLLM release "
+               "you serve with, then run verify again.")
+        return 1
+    report(f"vLLM {version}")
+    results = []
+    for module in ALL_FIXES:
+        info = module.INFO
+        if not info.admits(version):
+            report(f"[{info.name}] not affected: vLLM {version} is outside {info.affected}")
+            continue
+        target = VERIFIERS.get(info.name)
+        if target is None:
+            report(f"[{info.name}] no CPU verifier for this fix")
+            continue
+        report(f"[{info.name}] {info.summary}")
+        ok = importlib.import_module(target).verify(lambda line: report(f"  {line}"))
+        report(f"[{info.name}] {'PASS' if ok else 'FAIL'}")
+        results.append(ok)
+    return 0 if all(results) else 1
