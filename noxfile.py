@@ -7,8 +7,9 @@ outside the checkout, under ``$VLLM_MLA_FIXES_ENV_DIR`` (default
 reuses them; ``uv pip sync`` turns an existing environment into exactly the
 lock file's contents, and is a no-op when it already is.
 
-    nox                       # every release
-    nox -s vllm-0.25.1        # one release
+    nox                       # the tests, every release
+    nox -s vllm-0.25.1        # the tests, one release
+    nox -t verify             # `vllm-mla-fixes verify` on each release a fix targets
 """
 from __future__ import annotations
 
@@ -47,13 +48,20 @@ def _check_disk(session: nox.Session) -> None:
         )
 
 
+VERIFY_RELEASES = ("0.25.1", "0.32.0", "0.33.0")
+
+
+def _install(session: nox.Session, release: str) -> None:
+    _check_disk(session)
+    lock = LOCKS / f"vllm-{release}.txt"
+    python = session.virtualenv.location
+    session.run_install("uv", "pip", "sync", "--python", python, str(lock))
+    session.run_install("uv", "pip", "install", "--python", python, "--no-deps", "-e", str(ROOT))
+
+
 def _release_session(release: str):
     def session_func(session: nox.Session) -> None:
-        _check_disk(session)
-        lock = LOCKS / f"vllm-{release}.txt"
-        python = session.virtualenv.location
-        session.run_install("uv", "pip", "sync", "--python", python, str(lock))
-        session.run_install("uv", "pip", "install", "--python", python, "--no-deps", "-e", str(ROOT))
+        _install(session, release)
         session.run("pytest", "--vllm-release", release, *session.posargs,
                     env={"CUDA_VISIBLE_DEVICES": ""})
 
@@ -61,5 +69,18 @@ def _release_session(release: str):
     return nox.session(python="3.11", name=f"vllm-{release}")(session_func)
 
 
+def _verify_session(release: str):
+    def session_func(session: nox.Session) -> None:
+        _install(session, release)
+        session.run("vllm-mla-fixes", "verify", env={"CUDA_VISIBLE_DEVICES": ""})
+
+    session_func.__doc__ = f"`vllm-mla-fixes verify` on vLLM {release} (CPU)."
+    # Its own venv (nox keys venvs by session name); uv hard-links the files from its cache.
+    return nox.session(python="3.11", name=f"verify-{release}", tags=["verify"],
+                       default=False)(session_func)
+
+
 for _release in RELEASES:
     _release_session(_release)
+for _release in VERIFY_RELEASES:
+    _verify_session(_release)

@@ -192,3 +192,21 @@ def test_unknown_name_warns_in_plugin_and_fails_in_cli(fresh_plugin, monkeypatch
                        VLLM_MLA_FIXES="no-such-fix")
     assert proc.returncode == 2
     assert "no-such-fix" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_readme_matrix_is_generated_from_the_fix_records():
+    from pathlib import Path
+
+    from vllm_mla_fixes.matrix import matrix_markdown
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert matrix_markdown() in readme, "regenerate: python -m vllm_mla_fixes.matrix"
+
+
+def test_ci_runs_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
+    test_command = next(l for l in readme.splitlines() if l.endswith("&& nox"))
+    assert test_command.split(" && ")[1] in ci and "nox==2026.10.20 uv==0.13.9" in ci

@@ -52,6 +52,13 @@ def cmd_verify(args) -> int:
     return verify.run()
 
 
+def cmd_doctor(args) -> int:
+    from vllm_mla_fixes import doctor
+
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    return doctor.run(serve_args, as_json=args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-mla-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     status.set_defaults(func=cmd_status)
     verify = sub.add_parser("verify", help="reproduce each failure of the installed vLLM on CPU, then fix it")
     verify.set_defaults(func=cmd_verify)
+    doctor = sub.add_parser("doctor", help="check this environment and, after --, a `vllm serve` line",
+                            usage="vllm-mla-fixes doctor [--json] [-- <vllm serve args>]")
+    doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("serve_args", nargs=argparse.REMAINDER)
+    doctor.set_defaults(func=cmd_doctor)
     args = parser.parse_args(argv)
     return args.func(args)
 
