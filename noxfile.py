@@ -29,6 +29,7 @@ ENV_DIR = Path(
     os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
 )
 MIN_FREE_GIB_FOR_NEW_ENV = 12
+TOOLS = ("pytest==8.4.2", "wheel==0.48.0")  # what the tests need besides vLLM
 
 nox.options.envdir = str(ENV_DIR)
 nox.options.default_venv_backend = "uv"
@@ -78,6 +79,19 @@ def _verify_session(release: str):
     # Its own venv (nox keys venvs by session name); uv hard-links the files from its cache.
     return nox.session(python="3.11", name=f"verify-{release}", tags=["verify"],
                        default=False)(session_func)
+
+
+@nox.session(python=False, default=False)
+def lock(session: nox.Session) -> None:
+    """Pin a release's whole environment: nox -s lock -- 0.34.0 (existing pins are kept)."""
+    for release in session.posargs:
+        lock_file = LOCKS / f"vllm-{release}.txt"
+        requirements = Path(session.create_tmp()) / f"requirements-{release}.in"
+        requirements.write_text(f"vllm=={release}\n" + "".join(f"{r}\n" for r in TOOLS))
+        keep = ["-c", str(lock_file)] if lock_file.exists() else []
+        session.run("uv", "pip", "compile", "--quiet", "--python-version", "3.11",
+                    "--python-platform", "x86_64-manylinux_2_28", "--no-header", "--no-annotate",
+                    *keep, str(requirements), "-o", str(lock_file))
 
 
 for _release in RELEASES:
