@@ -29,7 +29,7 @@ ENV_DIR = Path(
     os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
 )
 MIN_FREE_GIB_FOR_NEW_ENV = 12
-TOOLS = ("pytest==8.4.2", "wheel==0.48.0")  # what the tests need besides vLLM
+TOOLS = ("pytest==8.4.2", "wheel==0.48.0", "uv==0.13.9")  # what the tests need besides vLLM
 
 nox.options.envdir = str(ENV_DIR)
 nox.options.default_venv_backend = "uv"

@@ -1,4 +1,4 @@
-"""``vllm-mla-fixes status | verify | doctor``."""
+"""``vllm-mla-fixes status | verify | doctor | build-wheel``."""
 from __future__ import annotations
 
 import argparse
@@ -59,6 +59,12 @@ def cmd_doctor(args) -> int:
     return doctor.run(serve_args, as_json=args.json)
 
 
+def cmd_build_wheel(args) -> int:
+    from vllm_mla_fixes import wheel
+
+    return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-mla-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true")
     doctor.add_argument("serve_args", nargs=argparse.REMAINDER)
     doctor.set_defaults(func=cmd_doctor)
+    build = sub.add_parser("build-wheel", help="write a vLLM wheel that carries these fixes")
+    source = build.add_mutually_exclusive_group(required=True)
+    source.add_argument("--vllm-wheel", metavar="PATH", help="an upstream vLLM wheel file")
+    source.add_argument("--vllm", metavar="VERSION", help="download this vLLM release (sha256 checked)")
+    build.add_argument("--out", default="dist", help="output directory (default: dist)")
+    build.add_argument("--build-number", type=int, default=1, help="N in +mlafixes.N (default: 1)")
+    build.add_argument("--index-url", default="https://pypi.org/simple",
+                       help="PEP 691 package index to download from")
+    build.set_defaults(func=cmd_build_wheel)
     args = parser.parse_args(argv)
     return args.func(args)
 

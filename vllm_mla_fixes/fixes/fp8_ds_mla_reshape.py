@@ -42,6 +42,7 @@ import importlib.util
 import inspect
 import math
 import sys
+from pathlib import Path
 
 from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch
 
@@ -80,12 +81,17 @@ class KVCacheLayoutMismatch(ValueError):
 
 
 def _module_ast(module_name: str) -> ast.Module:
-    """Parse a vLLM module's source without importing it (cheap, no side effects)."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        raise TargetMismatch(f"{module_name} has no Python source")
-    with open(spec.origin, encoding="utf-8") as f:
-        return ast.parse(f.read(), filename=spec.origin)
+    """Parse a vLLM module's source without importing it or its parent packages
+    (``find_spec`` of a submodule would run the parents' heavy ``__init__``)."""
+    top, *parts = module_name.split(".")
+    spec = importlib.util.find_spec(top)
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        base = Path(root, *parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return ast.parse(candidate.read_text(encoding="utf-8"), filename=str(candidate))
+    raise TargetMismatch(f"{module_name} has no Python source")
 
 
 def _find_def(tree: ast.AST, class_name: str | None, func_name: str) -> ast.FunctionDef | None:

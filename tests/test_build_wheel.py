@@ -1,0 +1,122 @@
+"""``vllm-mla-fixes build-wheel`` on the real vLLM 0.25.1 wheel (issue 6)."""
+from __future__ import annotations
+
+import csv
+import functools
+import hashlib
+import http.server
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vllm_mla_fixes import wheel as wheel_builder
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.vllm_release("0.25.1")
+
+
+def _record(path: Path) -> dict[str, tuple[str, str]]:
+    with zipfile.ZipFile(path) as z:
+        record_name = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = csv.reader(io.StringIO(z.read(record_name).decode()))
+        return {row[0]: (row[1], row[2]) for row in rows if row}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    upstream = wheel_builder.download_verified("0.25.1")
+    patched = wheel_builder.build(upstream, tmp_path_factory.mktemp("dist"), build_number=3)
+    return upstream, patched
+
+
+def test_name_version_and_metadata(built):
+    upstream, patched = built
+    assert patched.name == upstream.name.replace("vllm-0.25.1-", "vllm-0.25.1+mlafixes.3-")
+    with zipfile.ZipFile(patched) as z:
+        info = "vllm-0.25.1+mlafixes.3.dist-info/"
+        metadata = z.read(info + "METADATA").decode()
+        entry_points = z.read(info + "entry_points.txt").decode()
+        assert not any(n.startswith("vllm-0.25.1.dist-info/") for n in z.namelist())
+    assert "\nVersion: 0.25.1+mlafixes.3\n" in metadata
+    assert "[vllm.general_plugins]" in entry_points
+    assert "mla_fixes = vllm_mla_fixes:register" in entry_points
+    assert "lora_filesystem_resolver = " in entry_points  # vLLM's own plugins stay
+    assert "vllm = vllm.entrypoints.cli.main:main" in entry_points
+    assert "vllm-mla-fixes = vllm_mla_fixes.cli:main" in entry_points
+
+
+def test_upstream_files_are_byte_identical_and_record_is_correct(built):
+    upstream, patched = built
+    before, after = _record(upstream), _record(patched)
+    upstream_files = {p: v for p, v in before.items() if ".dist-info/" not in p}
+    assert upstream_files and all(after.get(p) == v for p, v in upstream_files.items())
+    added = {p for p in after if p.startswith("vllm_mla_fixes/")}
+    assert "vllm_mla_fixes/__init__.py" in added and "vllm_mla_fixes/fixes/fp8_ds_mla_reshape.py" in added
+    with zipfile.ZipFile(patched) as z:  # RECORD matches the stored bytes of what we changed/added
+        for path in [*added, *(p for p in after if ".dist-info/" in p and not p.endswith("RECORD"))]:
+            digest, size = after[path]
+            data = z.read(path)
+            expected = "sha256=" + __import__("base64").urlsafe_b64encode(
+                hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert (digest, size) == (expected, str(len(data))), path
+
+
+def test_patched_wheel_installs_and_applies_the_025_fixes(built, tmp_path):
+    _, patched = built
+    venv = tmp_path / "venv"
+    subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(["uv", "pip", "install", "-q", "--python", str(python), str(patched),
+                    "-c", str(ROOT / "envs" / "vllm-0.25.1.txt")], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
+    out = subprocess.run([str(venv / "bin" / "vllm-mla-fixes"), "status", "--json"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    report = json.loads(out[out.index("{"):])
+    assert report["vllm"] == "0.25.1"  # vllm.__version__ is upstream's
+    states = {f["name"]: f["state"] for f in report["fixes"]}
+    assert states["fp8-ds-mla-reshape"] == "applied"
+    where = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m, vllm_mla_fixes; "
+                            "print(m.version('vllm'), vllm_mla_fixes.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+    assert where[0] == "0.25.1+mlafixes.3"
+    assert where[1].startswith(str(venv))  # the copy inside the patched wheel, not this checkout
+
+
+class _Index(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_download_refuses_a_hash_mismatch(tmp_path, built):
+    upstream, _ = built
+    served = tmp_path / "served"
+    (served / "vllm").mkdir(parents=True)
+    (served / upstream.name).write_bytes(b"not the wheel the index vouches for")
+    page = {"files": [{"filename": upstream.name, "url": f"../{upstream.name}",
+                       "hashes": {"sha256": "0" * 64}}]}
+    (served / "vllm" / "index.html").write_text(json.dumps(page))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(_Index, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(wheel_builder.WheelBuildError, match="sha256 mismatch"):
+            wheel_builder.download_verified("0.25.1", f"http://127.0.0.1:{server.server_port}",
+                                            cache=tmp_path / "cache")
+    finally:
+        server.shutdown()
+    assert not any((tmp_path / "cache").glob("*.whl"))
+
+
+def test_refuses_an_already_patched_wheel(built, tmp_path):
+    _, patched = built
+    with pytest.raises(wheel_builder.WheelBuildError, match="already patched"):
+        wheel_builder.build(patched, tmp_path)
