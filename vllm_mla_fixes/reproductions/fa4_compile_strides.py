@@ -141,6 +141,28 @@ class _B200Properties:
     name = "B200 (CPU reproduction)"
 
 
+def expose_fa4_package() -> bool:
+    """Make ``vllm.vllm_flash_attn.cute`` importable without the CUDA
+    extension; True if a bare package had to stand in for its ``__init__``."""
+    import vllm
+
+    try:
+        importlib.import_module("vllm.vllm_flash_attn")
+    except ImportError:
+        pass
+    else:
+        return False
+    folder = os.path.join(os.path.dirname(vllm.__file__), "vllm_flash_attn")
+    package = types.ModuleType("vllm.vllm_flash_attn")
+    package.__path__ = [folder]
+    package.__package__ = package.__name__
+    package.__spec__ = importlib.machinery.ModuleSpec(package.__name__, None, is_package=True)
+    package.__spec__.submodule_search_locations = package.__path__
+    sys.modules[package.__name__] = package
+    vllm.vllm_flash_attn = package
+    return True
+
+
 def prepare() -> types.SimpleNamespace:
     """Import vLLM's FA4 CuTe code and warm-up plan on this CPU machine."""
     if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
@@ -150,17 +172,7 @@ def prepare() -> types.SimpleNamespace:
     import torch
     import vllm
 
-    try:
-        importlib.import_module("vllm.vllm_flash_attn")
-    except ImportError:
-        folder = os.path.join(os.path.dirname(vllm.__file__), "vllm_flash_attn")
-        package = types.ModuleType("vllm.vllm_flash_attn")
-        package.__path__ = [folder]
-        package.__package__ = package.__name__
-        package.__spec__ = importlib.machinery.ModuleSpec(package.__name__, None, is_package=True)
-        package.__spec__.submodule_search_locations = package.__path__
-        sys.modules[package.__name__] = package
-        vllm.vllm_flash_attn = package
+    expose_fa4_package()
     torch.cuda.get_device_capability = lambda device=None: (10, 0)
     torch.cuda.get_device_properties = lambda device=None: _B200Properties()
 
@@ -393,15 +405,41 @@ def in_child(work: Callable[[], dict], timeout: float = CALL_TIMEOUT_S) -> dict:
     return json.loads(b"".join(chunks))
 
 
+_primed: set[int] = set()
+
+
+def prime(env, kernel, step: Step, p: Plan) -> None:
+    """Pay a compiled function's one-time set-up (about a second on the first
+    call) in this process, so that forked children inherit it: call it once
+    with a float32 query, which the first argument check rejects -- nothing
+    launches."""
+    if id(kernel) in _primed:
+        return
+    args = call_arguments(env, step, p)
+    args[0] = _dlpack_as_cuda(env.torch, env.torch.empty(step.total_q, NUM_HEADS, QK_HEAD_DIM))
+    try:
+        kernel(*args)
+    except ValueError as exc:
+        if "argument #0" not in str(exc):
+            raise RuntimeError(f"priming call failed unexpectedly: {exc}") from exc
+    else:
+        raise RuntimeError("priming call with a float32 query was accepted")
+    _primed.add(id(kernel))
+
+
 def run_step(env, step: Step, phase: str) -> dict:
     """Plan ``step`` with vLLM, then call the cached kernel in a child."""
+    start = time.perf_counter()
     p = plan(env, step)
+    planned = time.perf_counter()
     record = {"phase": phase, "step": step.label(), "total_q": step.total_q,
-              "num_splits": p.num_splits, "kernel_cached": p.hit}
+              "num_splits": p.num_splits, "kernel_cached": p.hit,
+              "plan_s": round(planned - start, 3)}
     if not p.hit:
         record.update(outcome="kernel-not-warmed", error=p.error or "cache miss")
         return record
     kernel = forward_cache(env)[p.key]
+    prime(env, kernel, step, p)
 
     def work() -> dict:
         try:
@@ -413,6 +451,7 @@ def run_step(env, step: Step, phase: str) -> dict:
         return {"outcome": outcome, "error": text}
 
     record.update(in_child(work))
+    record["call_s"] = round(time.perf_counter() - planned, 3)
     return record
 
 
@@ -492,6 +531,59 @@ def scenario(reproduce: bool = True, sweep: str = "default",
     return result
 
 
+def gate(cpu_package: bool = True) -> dict:
+    """The fix's gate on this install, without compiling anything: the
+    plugin's verdict, the probe's, and -- where the fix applies -- what it
+    replaced and whether reverting restores vLLM."""
+    from vllm_mla_fixes import installed_vllm_version
+    from vllm_mla_fixes.fixes import fa4_compile_strides as fix
+    from vllm_mla_fixes.patching import CannotProbe, TargetMismatch, run_fix
+
+    version = installed_vllm_version()
+    out: dict = {"vllm": version, "admitted": fix.INFO.admits(version or "0"),
+                 "bare_package": expose_fa4_package() if cpu_package else False}
+    result = run_fix(fix, version)
+    out["status"] = result.status.state.value
+    out["status_reason"] = result.status.reason
+    # what register() costs a process that never runs FA4 (API server, engine core)
+    out["register_imported"] = {name: name in sys.modules for name in ("cutlass", fix.INTERFACE_MODULE)}
+
+    def functional() -> dict:
+        try:
+            reason = fix.functional_verdict()
+        except (CannotProbe, TargetMismatch) as exc:
+            return {"needed": None, "reason": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001
+            return {"needed": None, "reason": f"probe failed: {type(exc).__name__}: {exc}"}
+        return {"needed": reason is None, "reason": reason}
+
+    # importing FA4's interface (as vLLM's worker does) fires an armed hook
+    out["after_import"] = functional()
+    out["deferred_outcome"] = fix.deferred_outcome()
+    if result.patch is None or fix.deferred_outcome() != "patched":
+        out["functional_probe"] = out["after_import"]
+        return out
+    utils = importlib.import_module(fix.UTILS_MODULE)
+    interface = importlib.import_module(fix.INTERFACE_MODULE)
+    cache = interface._flash_attn_fwd.compile_cache
+    out["patched"] = {
+        name: getattr(sys.modules[name].__dict__.get(fix.TARGET), fix.MARK, None) == fix.INFO.name
+        for name in sorted(sys.modules)
+        if name.startswith("vllm.") and fix.TARGET in getattr(sys.modules[name], "__dict__", {})
+    }
+    out["cache"] = {"type": type(cache).__name__, "entries": len(cache.cache),
+                    "path": str(getattr(cache, "cache_path", "")) or None}
+    result.patch.revert()
+    restored = interface._flash_attn_fwd.compile_cache
+    out["reverted"] = {
+        "cache_restored": restored is not cache,
+        "target_restored": getattr(utils.to_cute_tensor, fix.MARK, None) is None
+        and interface.to_cute_tensor is utils.to_cute_tensor,
+    }
+    out["functional_probe"] = functional()  # on the installed, unpatched code
+    return out
+
+
 def verify(report) -> bool:
     """``vllm-mla-fixes verify``: reproduce the upstream error on CPU, then show
     the fix removes it (one child interpreter; about a minute of compiling)."""
@@ -554,9 +646,19 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--sweep", choices=("none", "default", "full"), default="default")
     parser.add_argument("--no-reproduce", action="store_true",
                         help="skip the unpatched compile and calls")
+    parser.add_argument("--gate", action="store_true",
+                        help="only evaluate the fix's gate, apply and revert it (no compiling)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if args.gate:
+        result = gate()
+        text = json.dumps(result, indent=1, default=str)
+        print(text)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text)
+        return 0
     result = scenario(reproduce=not args.no_reproduce, sweep=args.sweep,
                       log=lambda line: print(line, flush=True))
     if args.json:
