@@ -44,7 +44,8 @@ def run_harness(tmp_path: Path, *args: str, timeout: float, env: dict | None = N
     ("0.23.1rc1.dev1133+g1b2c3d4", True),   # a nightly with the compile-only API
     ("0.24.0", True),                        # admitted; the probe says not needed
     ("0.25.0", True), ("0.25.1", True),
-    ("0.26.0rc1", True),                     # admitted; the probe decides
+    ("0.25.2rc1.dev7+gabcdef0", True),       # a nightly after 0.25.1: the probe decides
+    ("0.26.0rc1", False),                    # PEP 440: "<0.26.0" excludes 0.26.0's pre-releases
     ("0.23.0", False), ("0.26.0", False), ("0.32.0", False),
 ])
 def test_release_range_admits_the_nightlies(version, admitted):
