@@ -1,0 +1,94 @@
+"""Process environment for running vLLM's Triton kernels on a CPU-only host.
+
+Two things have to hold before vLLM (and with it Triton) is imported:
+
+* ``TRITON_INTERPRET=1``: ``@triton.jit`` then builds interpreted kernels that
+  run on CPU tensors;
+* ``CUDA_VISIBLE_DEVICES=""``: keeps ``vllm.triton_utils.HAS_TRITON`` true on
+  a machine without a driver.
+
+:func:`simulated_sm120_host` then makes the driverless host look like the one
+the issue is about, for the duration of a harness run: vLLM's platform reports
+compute capability 12.0, the indexer's metadata builder sees the SM count of
+an RTX PRO 6000 Blackwell (188) instead of asking a driver, and host buffers
+are not pinned (there is no driver to pin them), so ``BlockTables`` keeps its
+staging buffers as plain CPU tensors.  Nothing else of vLLM is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+REQUIRED_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def prepare_process_env() -> None:
+    """Set the variables the harness needs, unless the caller chose otherwise."""
+    if "triton" in sys.modules or "vllm" in sys.modules:
+        # Too late to change how kernels are built; interpreter_problem() says
+        # whether what was built can run here.
+        return
+    for name, value in REQUIRED_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def interpreter_problem() -> str | None:
+    """Why vLLM's Triton kernels cannot run on CPU in this process, or None."""
+    for name, value in REQUIRED_ENV.items():
+        if os.environ.get(name) != value:
+            return (
+                f"{name} must be {value!r} before vLLM is imported "
+                f"(it is {os.environ.get(name)!r})"
+            )
+    from vllm.models.deepseek_v41.common.ops import fused_compress_quant_cache as m
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return "vllm.triton_utils.HAS_TRITON is False"
+    kernel = m._rope_quant_insert_kernel
+    if type(kernel).__name__ != "InterpretedFunction":
+        return (
+            "vLLM's Triton kernels were built for a GPU "
+            f"({type(kernel).__name__}); TRITON_INTERPRET was set too late"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def simulated_sm120_host(capability: tuple[int, int] = (12, 0), sm_count: int = 188):
+    """vLLM's platform reports ``capability`` and no pinned memory meanwhile."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils import platform_utils
+    from vllm.v1.attention.backends.mla import indexer
+
+    platform_cls = type(current_platform)
+    cap = DeviceCapability(*capability)
+    replaced = {
+        "get_device_capability": classmethod(lambda cls, device_id=0: cap),
+        "is_pin_memory_available": classmethod(lambda cls: False),
+        "device_type": "cpu",
+    }
+    saved = {name: platform_cls.__dict__.get(name, _MISSING) for name in replaced}
+    for name, value in replaced.items():
+        setattr(platform_cls, name, value)
+    saved_sm_count = indexer.num_compute_units
+    indexer.num_compute_units = lambda device_id=0: sm_count
+    platform_utils.is_pin_memory_available.cache_clear()
+    platform_utils.is_uva_available.cache_clear()
+    try:
+        yield current_platform
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                delattr(platform_cls, name)
+            else:
+                setattr(platform_cls, name, value)
+        indexer.num_compute_units = saved_sm_count
+        platform_utils.is_pin_memory_available.cache_clear()
+        platform_utils.is_uva_available.cache_clear()
+
+
+_MISSING = object()

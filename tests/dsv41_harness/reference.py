@@ -1,0 +1,329 @@
+"""PyTorch reference: read the paged caches as FlashInfer's SM120 kernel does,
+and compute the same attention densely from the un-paged latents.
+
+Everything here is written from the layout facts, checked against the
+installed sources (paths relative to the package; FlashInfer 0.7.0.post1):
+
+* Record (``KVCacheTraits<ModelType::DSV4>``,
+  ``flashinfer/data/include/flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh``):
+  per token 448 fp8-e4m3 NoPE bytes then 64 bf16 RoPE values (576 data bytes),
+  and an 8-byte footer entry: 7 UE8M0 scales, one per 64 NoPE dims, and a pad
+  byte.  V is the whole 512-wide row (NoPE then RoPE), like K.
+* Addressing (``common/kv_cache_io.cuh``): ``page = idx / pbs``,
+  ``row = idx % pbs``; data at ``page * stride_kv_block + row * 576``; scales
+  at ``page * stride_kv_block + pbs * 576 + row * 8``.  ``pbs`` and
+  ``stride_kv_block`` come from the tensor (``parse_paged_kv_layout`` in
+  ``flashinfer/data/csrc/sparse_mla_sm120_jit_binding.cu``: NHD
+  ``[pages, pbs, 1, 584]`` gives ``pbs = shape[1]``, stride ``stride(0)``),
+  for the SWA ("primary") and the compressed ("extra") cache alike.
+* UE8M0 (``model/scale_convert.cuh``): ``scale = 2 ** (byte - 127)``.
+* Masking and softmax (``decode_dsv4_kernel.cuh``): a segment's length is
+  clamped to ``[0, width]``; a candidate past the length or with index ``-1``
+  is masked; the two segments share one softmax, and the attention sink adds
+  ``exp(sink - max)`` to its denominator.
+* Indexer cache (the writer ``indexer_k_norm_rope_store``, vLLM
+  ``models/deepseek_v41/common/ops/indexer_k_store.py``; read through the
+  block table by DeepGEMM's paged MQA logits): per state 128 fp8-e4m3 bytes at
+  ``page + row * 128`` and one fp32 scale at ``page + pbs * 128 + row * 4``.
+
+The kernel also quantizes Q to fp8 before its MMAs; that is arithmetic, not
+addressing, and is not reproduced: both the paged and the dense path here use
+the bf16 query, so they differ only where the pages hold other bytes than the
+latents did.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+NOPE = 448
+ROPE = 64
+HEAD = NOPE + ROPE
+DATA_BYTES = NOPE + 2 * ROPE  # 576
+FOOTER_BYTES = 8
+RECORD_BYTES = DATA_BYTES + FOOTER_BYTES  # 584
+TILE = 64
+NUM_SCALES = NOPE // TILE  # 7
+FP8_MAX = 448.0
+INDEX_DIM = 128
+INDEX_ROPE = 64
+INDEX_RECORD = INDEX_DIM + 4  # 132
+
+
+# --------------------------------------------------------------------------
+# Rounding: the writers run under the Triton interpreter here, whose float
+# conversions are not IEEE round-to-nearest-even (fp32 -> bf16 truncates;
+# fp32 -> fp8 rounds half up within the mantissa).  To apply the quantisation
+# "the same way", the dense reference rounds with the interpreter's own
+# conversion routine when the interpreter is active, and with PyTorch's
+# round-to-nearest-even otherwise (what the GPU does).
+# --------------------------------------------------------------------------
+
+
+def _interpreter_converter():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton._C.libtriton import ir
+        from triton.runtime.interpreter import _convert_float
+    except ImportError:
+        return None
+
+    def convert(x: torch.Tensor, dst) -> torch.Tensor:
+        src = x.detach().to(torch.float32).contiguous().cpu().numpy()
+        if dst is tl.bfloat16:
+            bits = _convert_float(src, tl.float32, tl.bfloat16, None)
+            out = torch.from_numpy(bits.astype(np.uint16).view(np.int16).copy())
+            return out.view(torch.bfloat16).reshape(x.shape)
+        bits = _convert_float(src, tl.float32, tl.float8e4nv, ir.ROUNDING_MODE.RTNE)
+        out = torch.from_numpy(bits.astype(np.uint8).copy())
+        return out.view(torch.float8_e4m3fn).reshape(x.shape)
+
+    return convert, tl
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How the writers that filled the caches rounded fp32 values."""
+
+    name: str
+
+    def to_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        conv = _interpreter_converter() if self.name == "triton-interpreter" else None
+        if conv is None:
+            return x.to(torch.bfloat16)
+        convert, tl = conv
+        return convert(x, tl.bfloat16)
+
+    def to_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        conv = _interpreter_converter() if self.name == "triton-interpreter" else None
+        if conv is None:
+            return x.to(torch.float8_e4m3fn)
+        convert, tl = conv
+        return convert(x, tl.float8e4nv)
+
+
+def writer_rounding() -> Rounding:
+    if _interpreter_converter() is not None:
+        return Rounding("triton-interpreter")
+    return Rounding("round-to-nearest-even")
+
+
+# --------------------------------------------------------------------------
+# Dense side: what each writer stores for a latent, as dequantised values.
+# --------------------------------------------------------------------------
+
+
+def _ue8m0_exponent(amax: torch.Tensor, divide: bool) -> torch.Tensor:
+    """2**e is the power of two the block is divided by (UE8M0 byte e + 127)."""
+    amax = torch.clamp(amax, min=1e-4)
+    if divide:
+        ratio = amax / FP8_MAX
+    else:
+        ratio = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+    return torch.ceil(torch.log2(ratio))
+
+
+def quant_dequant_nope(
+    nope: torch.Tensor, rounding: Rounding, divide: bool
+) -> torch.Tensor:
+    """[N, 448] fp32 -> fp32 values the V4 record's fp8 part decodes to."""
+    tiles = nope.to(torch.float32).reshape(-1, NUM_SCALES, TILE)
+    exp = _ue8m0_exponent(tiles.abs().amax(dim=-1), divide)
+    scaled = torch.clamp(tiles * torch.exp2(-exp)[..., None], -FP8_MAX, FP8_MAX)
+    fp8 = rounding.to_fp8(scaled).to(torch.float32)
+    return (fp8 * torch.exp2(exp)[..., None]).reshape(nope.shape)
+
+
+def gptj_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved (even, odd) pairs of x [N, 2P] by angle rows [N, P]."""
+    even = x[..., 0::2].to(torch.float32)
+    odd = x[..., 1::2].to(torch.float32)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = odd * cos + even * sin
+    return out
+
+
+def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """Sliding-window rows stored by ``quantize_and_insert_k_cache``: the
+    input is the already-rotated KV row; NoPE quantised, RoPE copied."""
+    nope = quant_dequant_nope(rows_bf16[:, :NOPE].float(), rounding, divide=True)
+    return torch.cat([nope, rows_bf16[:, NOPE:].float()], dim=1)
+
+
+def dense_compressed_rows(
+    latent_bf16: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+    rounding: Rounding,
+) -> torch.Tensor:
+    """Compressed rows stored by ``rope_quant_insert`` for latents [N, 512]
+    whose RoPE angles (the group's first position) are rope_cos/sin [N, 32]."""
+    nope = quant_dequant_nope(latent_bf16[:, :NOPE].float(), rounding, divide=False)
+    rot = gptj_rotate(latent_bf16[:, NOPE:].float(), rope_cos, rope_sin)
+    return torch.cat([nope, rounding.to_bf16(rot).float()], dim=1)
+
+
+def dense_index_keys(
+    k_pre_bf16: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    rope_cos: torch.Tensor, rope_sin: torch.Tensor, rounding: Rounding,
+) -> torch.Tensor:
+    """Index keys stored by ``indexer_k_norm_rope_store`` (fp8 path), as
+    dequantised fp32 [N, 128]: RMSNorm, bf16, RoPE on the last 64 dims, bf16,
+    then one UE8M0-style power-of-two scale per key."""
+    k = k_pre_bf16.float()
+    var = (k * k).sum(dim=-1, keepdim=True) / INDEX_DIM
+    k = rounding.to_bf16(k * torch.rsqrt(var + eps) * norm_weight.float()).float()
+    nope, rope = k[:, : INDEX_DIM - INDEX_ROPE], k[:, INDEX_DIM - INDEX_ROPE :]
+    rot = rounding.to_bf16(gptj_rotate(rope, rope_cos, rope_sin)).float()
+    k = torch.cat([nope, rot], dim=1)
+    amax = torch.clamp(k.abs().amax(dim=-1, keepdim=True), min=1e-4)
+    exp = torch.ceil(torch.log2(amax * torch.tensor(1.0 / FP8_MAX)))
+    scaled = torch.clamp(k * torch.exp2(-exp), -FP8_MAX, FP8_MAX)
+    return rounding.to_fp8(scaled).float() * torch.exp2(exp)
+
+
+# --------------------------------------------------------------------------
+# Paged side: read bytes exactly where the SM120 kernel reads them.
+# --------------------------------------------------------------------------
+
+
+def storage_bytes(view: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind ``view`` as one flat uint8 tensor."""
+    storage = view.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=view.device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class OutOfBounds(RuntimeError):
+    pass
+
+
+def _gather(flat: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+    addr = start[:, None] + torch.arange(width, dtype=torch.int64)[None, :]
+    if addr.numel() and (int(addr.min()) < 0 or int(addr.max()) >= flat.numel()):
+        raise OutOfBounds(
+            f"read at bytes [{int(addr.min())}, {int(addr.max())}] of a "
+            f"{flat.numel()}-byte cache allocation"
+        )
+    return flat[addr]
+
+
+def page_geometry(view: torch.Tensor, record: int) -> tuple[int, int]:
+    """(rows per page, page stride in bytes) of a bound cache view, as
+    FlashInfer's binding derives them from an NHD ``[pages, pbs, 1, rec]``
+    (or the 3-D ``[pages, pbs, rec]`` vLLM binds)."""
+    if view.dim() == 4:
+        assert view.shape[2] == 1, tuple(view.shape)
+        view = view[:, :, 0]
+    assert view.dtype == torch.uint8 and view.dim() == 3, (view.dtype, view.shape)
+    assert view.shape[-1] == record and view.stride(-1) == 1, tuple(view.shape)
+    # FlashInfer rejects padded rows for the footer-scale model.
+    assert view.stride(1) == record, view.stride()
+    return int(view.shape[1]), int(view.stride(0))
+
+
+def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised K=V rows [N, 512] at flat slot indices idx [N] (>= 0)."""
+    pbs, page_stride = page_geometry(view, RECORD_BYTES)
+    flat = storage_bytes(view)
+    idx = idx.to(torch.int64)
+    page, row = idx // pbs, idx % pbs
+    base = view.storage_offset() + page * page_stride
+    data = _gather(flat, base + row * DATA_BYTES, DATA_BYTES)
+    footer = _gather(flat, base + pbs * DATA_BYTES + row * FOOTER_BYTES, FOOTER_BYTES)
+    nope = data[:, :NOPE].contiguous().view(torch.float8_e4m3fn).float()
+    scales = torch.exp2(footer[:, :NUM_SCALES].float() - 127.0)
+    nope = nope * scales.repeat_interleave(TILE, dim=1)
+    rope = data[:, NOPE:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=1)
+
+
+def read_index_keys(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised index keys [N, 128] at flat state indices idx [N] (>= 0)."""
+    pbs, page_stride = page_geometry(view, INDEX_RECORD)
+    flat = storage_bytes(view)
+    idx = idx.to(torch.int64)
+    page, row = idx // pbs, idx % pbs
+    base = view.storage_offset() + page * page_stride
+    values = _gather(flat, base + row * INDEX_DIM, INDEX_DIM)
+    scale = _gather(flat, base + pbs * INDEX_DIM + row * 4, 4)
+    keys = values.contiguous().view(torch.float8_e4m3fn).float()
+    return keys * scale.contiguous().view(torch.float32)
+
+
+# --------------------------------------------------------------------------
+# Attention.
+# --------------------------------------------------------------------------
+
+
+def sink_softmax_attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token: q [H, 512], kv [n, 512] (K = V), sink [H] -> [H, 512].
+
+    Softmax over the n candidates plus a virtual sink logit that only adds
+    mass to the denominator."""
+    q = q.float()
+    if kv.shape[0] == 0:
+        return torch.zeros(q.shape, dtype=torch.float32)
+    logits = (q @ kv.T) * scale
+    m = torch.maximum(logits.amax(dim=-1), sink.float())
+    p = torch.exp(logits - m[:, None])
+    denom = p.sum(dim=-1) + torch.exp(sink.float() - m)
+    return (p @ kv) / denom[:, None]
+
+
+def _segment(indices: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    idx = indices.reshape(-1).to(torch.int64)
+    n = min(max(int(length), 0), idx.numel())
+    idx = idx[:n]
+    return idx[idx >= 0]
+
+
+def sm120_sparse_decode(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor,
+    extra_cache: torch.Tensor | None,
+    extra_indices: torch.Tensor | None,
+    extra_lens: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode q [T, H, 512] from the paged caches; returns fp32 [T, H, 512].
+
+    The arguments are the ones vLLM passes to
+    ``trtllm_batch_decode_sparse_mla_dsv4`` on SM120 (``_forward_decode``):
+    primary = SWA cache with ``decode_swa_indices`` / ``decode_swa_lens``,
+    extra = compressed cache with the global top-k indices and lengths."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for t in range(q.shape[0]):
+        rows = [read_v4_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
+        if extra_cache is not None:
+            assert extra_indices is not None and extra_lens is not None
+            rows.append(
+                read_v4_rows(extra_cache, _segment(extra_indices[t], extra_lens[t]))
+            )
+        out[t] = sink_softmax_attention(q[t], torch.cat(rows), sink, scale)
+    return out
+
+
+def error_figures(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """max |got - ref|, that over max |ref|, and the non-finite count."""
+    got = got.float()
+    ref = ref.float()
+    bad = int((~torch.isfinite(got)).sum())
+    diff = torch.nan_to_num(got - ref, nan=float("inf")).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    ref_max = float(ref.abs().max()) if ref.numel() else 0.0
+    return {
+        "max_abs": max_abs,
+        "rel": max_abs / ref_max if ref_max > 0 else float("inf"),
+        "non_finite": bad,
+    }
