@@ -1,0 +1,277 @@
+"""dsv41-sm120-geometry on the real vLLM 0.32.0 / 0.33.0 releases (issue 5, part A).
+
+First the upstream failures through vLLM's own start-up path (layers -> specs
+-> planner -> attention groups -> kernel block sizes -> allocation and
+binding) and FlashInfer's own SM120 planner; then the fix applied as on an
+SM120 device: every page FlashInfer and the indexer read holds 64 states,
+every group keeps its manager blocks whole, the start-up self-check passes
+(and fails loudly on the upstream geometry); SM90/SM100 see no change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.patching import State, run_fix
+from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+
+pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0")
+
+REPORT_ERROR = ("SM120 sparse-MLA has no decode kernel for this shape: num_tokens=8, num_heads=8, "
+                "topk=128, d_qk=512, page_block_size=32, model_type=dsv4, extra_topk=0.")
+
+
+def _patched_targets():
+    """The objects the fix replaces, as vLLM currently has them."""
+    from vllm.models.deepseek_v41 import attention
+    from vllm.models.deepseek_v41.nvidia import flashinfer_sparse
+    from vllm.v1.attention.backends.mla import compressor_utils, indexer
+    from vllm.v1.worker import utils
+    from vllm.v1.worker.gpu import attn_utils
+
+    return {
+        "attention.get_kv_cache_spec": attention.DeepseekV4Attention.__dict__["get_kv_cache_spec"],
+        "indexer_cache.get_kv_cache_spec": attention.DeepseekV4IndexerCache.__dict__["get_kv_cache_spec"],
+        "attention.DeepseekV4SWACache": attention.DeepseekV4SWACache,
+        "flashinfer.sizes": flashinfer_sparse.DeepseekV4FlashInferMLASparseBackend.__dict__[
+            "get_supported_kernel_block_sizes"],
+        "indexer.sizes": indexer.DeepseekV41IndexerBackend.__dict__["get_supported_kernel_block_sizes"],
+        "warmup": compressor_utils.CompressedSlotMappingKernel.__dict__["get_warmup_keys"],
+        "bind": utils.bind_kv_cache_to_layers,
+        "bind (attn_utils)": attn_utils.bind_kv_cache_to_layers,
+    }
+
+
+@pytest.fixture(scope="module")
+def upstream_128():
+    """The upstream --block-size 128 geometry, bound to the layers."""
+    geometry = repro.plan_geometry(128)
+    repro.allocate_and_bind(geometry)
+    return geometry
+
+
+# ------------------------------------------------------------------ upstream
+
+def test_block_size_64_fails_no_common_block_size_for_both_backends():
+    geometry = repro.plan_geometry(64)
+    with pytest.raises(ValueError) as excinfo:
+        repro.select_kernel_block_sizes(geometry)
+    assert str(excinfo.value) == repro.BLOCK_SIZE_ERROR
+
+    from vllm.v1.worker.utils import select_common_block_size
+
+    errors = set()
+    for group_id, groups in enumerate(geometry.attn_groups):
+        for group in groups:
+            try:
+                select_common_block_size(geometry.kernel_block_sizes[group_id], [group.backend],
+                                         [group.kv_cache_spec])
+            except ValueError as exc:
+                errors.add(str(exc))
+    assert errors == {repro.BLOCK_SIZE_ERROR, repro.INDEXER_BLOCK_SIZE_ERROR}
+
+
+def test_block_size_128_starts_with_32_token_swa_and_128_state_ratio1_pages(upstream_128):
+    assert upstream_128.kernel_block_sizes == [32, 32, 32, 32, 128, 8]
+    repro.select_kernel_block_sizes(upstream_128)  # start-up passes
+    pages = {(page.kind, page.compress_ratio): page.rows for page in repro.flashinfer_pages(upstream_128)}
+    assert pages == {("swa", 0): 32, ("compressed", 2): 64, ("compressed", 1): 128,
+                     ("indexer", 2): 64, ("indexer", 1): 128}
+
+
+@pytest.mark.vllm_release("0.32.0")
+def test_flashinfer_070_planner_rejects_the_32_token_swa_page(upstream_128):
+    assert repro.flashinfer_version() == "0.7.0.post1"
+    swa_only = upstream_128.layers[repro.attention_prefix(0)]
+    cache = swa_only._as_sparse_cache(swa_only.swa_cache_layer.kv_cache)
+    page = repro.flashinfer_primary_page(cache)
+    assert page == 32
+    error = repro.sm120_decode_verdict(page, has_extra=False, **repro.REPORT_CALL)
+    assert error.startswith(REPORT_ERROR)
+    assert ("Mismatch: page_block_size=32 is unsupported; decode kernels are instantiated only "
+            "for page_block_size=64.") in error
+    # The ratio-1 layer's primary page is the same SWA cache: it fails the same way.
+    assert repro.sm120_decode_verdict(page, has_extra=True, **repro.REPORT_CALL) is not None
+
+
+@pytest.mark.vllm_release("0.33.0")
+def test_flashinfer_072_takes_the_32_page_but_ratio1_indexer_pages_stay_wrong(upstream_128):
+    """0.33.0's pin lifts FlashInfer's page limit (its static envelope takes any
+    positive page), so the report's FlashInfer error is gone at --block-size
+    128; what remains is the ratio-1 indexer cache with 128 states per page,
+    while SM120's paged-MQA logits kernels take 64 (and --block-size 64 still
+    fails, test above)."""
+    assert repro.flashinfer_version() == "0.7.2.post1"
+    assert repro.sm120_decode_verdict(32, has_extra=False, **repro.REPORT_CALL) is None
+    assert repro.sm120_paged_mqa_page_sizes() == (64,)
+    indexer_pages = {page.compress_ratio: page.rows
+                     for page in repro.flashinfer_pages(upstream_128) if page.kind == "indexer"}
+    assert indexer_pages == {1: 128, 2: 64}
+
+
+def test_upstream_geometry_fails_the_self_check_with_a_clear_error(upstream_128):
+    with pytest.raises(fix.PageGeometryError) as excinfo:
+        fix.check_page_geometry(fix.bound_pages(upstream_128.forward_context))
+    message = str(excinfo.value)
+    assert "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages" in message
+    assert "model.layers.20.attn: compressed KV cache, compress ratio 1, 128-token pages" in message
+    assert ("model.layers.20.attn.indexer.k_cache: indexer K cache, compress ratio 1, "
+            "128-state pages") in message
+    assert "model.layers.2.attn:" not in message  # ratio-2 pages already hold 64 states
+
+
+# ---------------------------------------------------------------------- fix
+
+def test_fix_applies_on_sm120_and_sm121_and_reverts_cleanly():
+    before = _patched_targets()
+    for capability in ((12, 0), (12, 1)):
+        with repro.applied(capability) as result:
+            assert result.status.state is State.APPLIED, result.status.reason
+            changed = _patched_targets()
+            assert all(changed[name] is not before[name] for name in before), changed
+        assert _patched_targets() == before
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3)])
+def test_sm90_and_sm100_see_no_change(capability):
+    before_targets = _patched_targets()
+    before = repro.plan_geometry(128)
+    with repro.applied(capability) as result:
+        assert result.status.state is State.NOT_NEEDED
+        assert result.patch is None
+        assert f"SM{capability[0]}{capability[1]}" in result.status.reason
+        assert _patched_targets() == before_targets
+        after = repro.plan_geometry(128)
+        assert after.specs == before.specs
+        assert after.kernel_block_sizes == before.kernel_block_sizes
+        assert ([g.layer_names for g in after.kv_cache_config.kv_cache_groups]
+                == [g.layer_names for g in before.kv_cache_config.kv_cache_groups])
+
+
+def test_plugin_on_this_cpu_host_changes_nothing(fresh_plugin):
+    before = _patched_targets()
+    fresh_plugin.register()
+    status = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
+    assert status.state is State.NOT_NEEDED
+    assert "not a CUDA platform" in status.reason
+    assert _patched_targets() == before
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_fix_gives_every_flashinfer_and_indexer_page_64_states(block_size):
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(block_size)
+        chosen = repro.select_kernel_block_sizes(geometry)  # no "No common block size"
+        # Manager blocks are never split: each group's kernel block is its block.
+        for group, kernel in zip(geometry.kv_cache_config.kv_cache_groups, geometry.kernel_block_sizes):
+            assert kernel == group.kv_cache_spec.block_size
+        for groups in geometry.attn_groups:
+            for group in groups:
+                assert chosen[f"{group.backend.get_name()}:{group.layer_names[0]}"] == \
+                    group.kv_cache_spec.block_size
+        blocks = {name: spec.block_size for name, spec in geometry.specs.items()}
+        assert blocks["model.layers.20.attn"] == blocks["model.layers.20.attn.indexer.k_cache"] == 64
+        assert blocks["model.layers.2.attn"] == blocks["model.layers.2.attn.indexer.k_cache"] == 128
+        assert blocks["model.layers.0.attn.swa_cache"] == 64
+
+        repro.allocate_and_bind(geometry)  # the self-check runs inside and passes
+        pages = repro.flashinfer_pages(geometry)
+        assert {page.rows for page in pages} == {fix.PAGE_ROWS}
+        assert len([p for p in pages if p.kind == "swa"]) == 40
+        for page in pages:
+            if page.kind != "indexer":
+                assert repro.sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed",
+                                                  **repro.REPORT_CALL) is None, page
+        assert all(p.rows in repro.sm120_paged_mqa_page_sizes() for p in pages if p.kind == "indexer")
+
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        geometry.vllm_config.cache_config.enable_prefix_caching = True
+        assert resolve_kv_cache_block_sizes(geometry.kv_cache_config, geometry.vllm_config) == (128, 64)
+
+
+def test_fixed_specs_recompute_their_page_padding():
+    """A bare ``replace(spec, block_size=...)`` keeps the old page's padding
+    whenever the new page needs none (72 x 584 B is 576-aligned); the fix
+    clears it, so its specs always carry the padding of their own page."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    upstream = repro.plan_geometry(128).specs["model.layers.20.attn"]
+    assert upstream.page_size_bytes == 74880  # 128 x 584 B, 576-aligned
+    assert dataclasses.replace(upstream, block_size=72).page_size_bytes == 74880  # stale
+    assert dataclasses.replace(upstream, block_size=72, page_size_padded=None).page_size_bytes == 72 * 584
+    with repro.applied((12, 0)):
+        fixed = repro.plan_geometry(128).specs
+    for name, rows_bytes in (("model.layers.20.attn", 64 * 584), ("model.layers.2.attn", 64 * 584),
+                             ("model.layers.20.attn.indexer.k_cache", 64 * 132)):
+        spec = fixed[name]
+        assert spec.page_size_bytes == -(-rows_bytes // 576) * 576, name
+        fresh = MLAAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                                    if f.init and f.name != "page_size_padded"})
+        assert fresh.page_size_bytes == spec.page_size_bytes
+
+
+def test_self_check_catches_a_geometry_changed_after_the_fix():
+    """Upstream specs (planned before the fix) bound with the fix installed:
+    the check inside vLLM's bind raises before any request."""
+    geometry = repro.plan_geometry(128)
+    with repro.applied((12, 0)):
+        with pytest.raises(fix.PageGeometryError, match="compress ratio 1, 128-token pages"):
+            repro.allocate_and_bind(geometry)
+
+
+def test_tiny_config_geometry():
+    model = repro.tiny_model()
+    assert set(model["compress_ratios"]) == {0, 1, 2}
+    with pytest.raises(ValueError, match="No common block size for 64"):
+        repro.select_kernel_block_sizes(repro.plan_geometry(64, model))
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, model)
+        repro.select_kernel_block_sizes(geometry)
+        repro.allocate_and_bind(geometry)
+        assert {page.rows for page in repro.flashinfer_pages(geometry)} == {64}
+
+
+def test_compressor_warmup_covers_the_64_state_pages():
+    """The compressed-slot-mapping kernel sees ``num_states`` (64) as its block
+    size.  Upstream warms ``--block-size // ratio``: the same Triton
+    specialisation for 64/128, a different one for e.g. 16."""
+    from vllm.v1.attention.backends.mla.compressor_utils import _COMPRESSED_SLOT_MAPPING_KERNEL as kernel
+
+    def config(block_size):
+        vllm_config = repro.make_vllm_config(block_size)
+        vllm_config.model_config = SimpleNamespace(hf_text_config=SimpleNamespace(**repro.tiny_model()))
+        return vllm_config
+
+    def runtime_key(vllm_config):
+        parallel = vllm_config.parallel_config
+        return kernel.dispatch(compress_ratio=2, block_size=fix.PAGE_ROWS,
+                               dcp_world_size=parallel.decode_context_parallel_size,
+                               cp_interleave=parallel.cp_kv_cache_interleave_size)
+
+    for block_size in (64, 128):
+        assert runtime_key(config(block_size)) in kernel.get_warmup_keys(config(block_size))
+    assert runtime_key(config(16)) not in kernel.get_warmup_keys(config(16))
+    with repro.applied((12, 0)):
+        assert runtime_key(config(16)) in kernel.get_warmup_keys(config(16))
+
+
+def test_unreviewed_target_leaves_vllm_untouched(monkeypatch):
+    before = _patched_targets()
+    target = (fix.ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec")
+    monkeypatch.setitem(fix.REVIEWED, target, {"0000000000000000": "not this release"})
+    result = run_fix(fix.for_capability((12, 0)), repro._installed_vllm())
+    assert result.status.state is State.SKIPPED
+    assert "unexpected target" in result.status.reason and "get_kv_cache_spec" in result.status.reason
+    assert _patched_targets() == before
+
+
+def test_capacity_is_measured_from_vllms_planner():
+    upstream = repro.capacity(128, max_model_len=8192)
+    with repro.applied((12, 0)):
+        fixed = repro.capacity(128, max_model_len=8192)
+    assert upstream["bytes_per_block"] == 230400 and fixed["bytes_per_block"] == 138240
+    assert upstream["tokens"] > 0 and fixed["tokens"] > 0

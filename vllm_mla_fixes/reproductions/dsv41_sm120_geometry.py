@@ -1,0 +1,448 @@
+"""DeepSeek-V4.1 SM120 page geometry on vLLM 0.32/0.33, driven through vLLM's own code on CPU.
+
+The layers are real: ``DeepseekV4SWACache``, ``DeepseekV4IndexerCache`` and
+``CompressorStateCache`` are constructed by their own ``__init__`` under a real
+``VllmConfig`` -- the SWA cache through the name ``deepseek_v41.attention``
+calls it by, with the arguments ``DeepseekV4Attention.__init__`` passes.  The
+attention layer itself is an instance of ``DeepseekV4FlashInferSM120Attention``
+(the class vLLM selects on SM120) whose cache attributes are set with the same
+helpers its ``__init__`` uses; its ``__init__`` needs a GPU (CUDA events,
+tensor-parallel groups, FlashInfer's SM120 module), so it is not run.
+
+From the layers on, everything is vLLM's: the worker's spec collection
+(``get_kv_cache_spec``, with ``customize_attention_spec``), the engine core's
+layout resolution and planner (``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups``), the worker's ``AttentionGroup``s,
+``prepare_kernel_block_sizes``, ``select_common_block_size`` (as
+``AttentionGroup.create_metadata_builders`` calls it), ``allocate_kv_cache``,
+``map_kv_caches_to_kernel_blocks`` and ``bind_kv_cache_to_layers``; then the
+page sizes FlashInfer derives from the bound views and FlashInfer's own SM120
+planner (0.7.0.post1) or static decode envelope (0.7.2.post1).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+
+TINY_DSV41 = Path(__file__).resolve().parent.parent / "models" / "tiny_deepseek_v41" / "config.json"
+
+# DeepSeek-V4.1-Flash's sparse-attention topology, from third-party copies of
+# its config.json (the dossier's layout): 40 layers, ratios [0,0]+[2]*18+[1]*20,
+# compressed-KV (and index-K) sources on layers 2, 8, 14 and 20, 128-token window.
+DSV41_FLASH = {
+    "num_hidden_layers": 40,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20],
+    "sliding_window": 128,
+    "head_dim": 512,
+    "index_head_dim": 128,
+}
+
+# The report's failing call: TP8 (8 of 64 heads), 8 decode tokens, the
+# 128-token window as SWA top-k.
+REPORT_CALL = {"num_tokens": 8, "num_heads": 8, "topk": 128}
+BLOCK_SIZE_ERROR = "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])."
+INDEXER_BLOCK_SIZE_ERROR = "No common block size for 64 (DEEPSEEK_V41_INDEXER: [128])."
+CPU = torch.device("cpu")
+
+
+def tiny_model() -> dict:
+    with open(TINY_DSV41, encoding="utf-8") as f:
+        return json.load(f)["text_config"]
+
+
+def attention_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.attn"
+
+
+# ------------------------------------------------------------------ the layers
+
+def make_vllm_config(block_size: int, num_gpu_blocks_override: int | None = None):
+    """A real ``VllmConfig`` as an SM120 serve with ``--kv-cache-dtype fp8
+    --block-size B`` has it when the model's layers are built.  The hybrid KV
+    cache manager is on, as ``VllmConfig`` resolves it for this model."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+
+    config = VllmConfig(
+        device_config=DeviceConfig(device="cuda"),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype="fp8",
+                                 num_gpu_blocks_override=num_gpu_blocks_override),
+    )
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
+
+
+def build_layers(vllm_config, model: dict) -> dict[str, Any]:
+    """Register the model's KV-cache layers in ``vllm_config``'s static forward
+    context, as ``DeepseekV41ForCausalLM`` does on SM120; returns the attention layers."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41 import attention as v41
+    from vllm.models.deepseek_v41.compressor import CompressorStateCache
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferSM120Attention as SM120Attention,
+    )
+
+    cache_config = vllm_config.cache_config
+    context = vllm_config.compilation_config.static_forward_context
+    ratios = model["compress_ratios"]
+    kv_sources = set(model["kv_source_layer_ids"])
+    index_sources = set(model["index_source_layer_ids"])
+    layers = {}
+    with set_current_vllm_config(vllm_config):
+        for layer_id in range(model["num_hidden_layers"]):
+            prefix = attention_prefix(layer_id)
+            attn = SM120Attention.__new__(SM120Attention)
+            torch.nn.Module.__init__(attn)
+            # What DeepseekV4Attention.__init__ sets for the caches, with its helpers.
+            attn.prefix = prefix
+            attn.layer_id = layer_id
+            attn.head_dim = model["head_dim"]
+            attn.window_size = model["sliding_window"]
+            attn.compress_ratio = int(ratios[layer_id])
+            attn.is_kv_source = layer_id in kv_sources
+            attn.kv_cache_dtype, attn.kv_cache_torch_dtype = v41._resolve_dsv4_kv_cache_dtype(
+                attn._uses_fp8_ds_mla_layout(), cache_config.cache_dtype, cache_config,
+                attn.packed_kv_cache_dtype)
+            attn.kv_mxfp8 = v41._use_v41_mxfp8_kv_record()
+            attn.swa_bytes_per_token = 528 if attn.kv_mxfp8 else 584
+            attn.compressed_bytes_per_token = attn.swa_bytes_per_token
+            attn.kv_page_alignment = 512 if attn.kv_mxfp8 else 576
+            attn.kv_cache = torch.tensor([])
+            context[prefix] = attn
+            # The sliding-window cache, through the module name __init__ uses.
+            attn.swa_cache_layer = v41.DeepseekV4SWACache(
+                head_dim=attn.head_dim, window_size=attn.window_size,
+                dtype=attn.kv_cache_torch_dtype, prefix=f"{prefix}.swa_cache",
+                cache_config=cache_config, backend_cls=attn.swa_backend_cls,
+                block_size=32, packed_bytes_per_token=attn.swa_bytes_per_token,
+                packed_page_alignment=attn.kv_page_alignment, bounded_replay=False)
+            if attn.is_kv_source and attn.compress_ratio > 1:
+                CompressorStateCache(state_dim=2 * attn.head_dim, dtype=torch.float32,
+                                     prefix=f"{prefix}.compressor.state_cache")
+            if attn.is_kv_source and layer_id in index_sources:
+                v41.DeepseekV4IndexerCache(
+                    head_dim=v41._indexer_k_cache_head_dim(model["index_head_dim"], False),
+                    dtype=torch.uint8, prefix=f"{prefix}.indexer.k_cache",
+                    cache_config=cache_config, compress_ratio=attn.compress_ratio)
+            layers[prefix] = attn
+    return layers
+
+
+# -------------------------------------------------------------- vLLM's pipeline
+
+def _planner():
+    """Module with ``get_kv_cache_groups``/``get_kv_cache_config_from_groups``
+    (moved to ``kv_cache_planning`` in 0.33)."""
+    try:
+        from vllm.v1.core import kv_cache_planning as planner
+    except ImportError:
+        from vllm.v1.core import kv_cache_utils as planner
+    return planner
+
+
+@dataclasses.dataclass
+class Geometry:
+    vllm_config: Any
+    layers: dict[str, Any]
+    specs: dict[str, Any]
+    kv_cache_config: Any
+    attn_groups: list[list[Any]]
+    kernel_block_sizes: list[int]
+
+    @property
+    def forward_context(self) -> dict[str, Any]:
+        return self.vllm_config.compilation_config.static_forward_context
+
+
+def plan_geometry(block_size: int, model: dict | None = None,
+                  num_gpu_blocks_override: int | None = 8,
+                  available_memory: int = 1 << 30) -> Geometry:
+    """Layers -> specs -> layout -> groups -> KV-cache config -> attention groups
+    -> kernel block sizes, each step vLLM's own."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+    from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+    vllm_config = make_vllm_config(block_size, num_gpu_blocks_override)
+    layers = build_layers(vllm_config, DSV41_FLASH if model is None else model)
+    specs = get_kv_cache_spec(vllm_config)
+    backends = {layer.get_attn_backend() for layer in
+                get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()}
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(sorted(backends, key=str))]
+    layout = resolve_kv_cache_layout(vllm_config, [layouts], specs.values())
+    vllm_config.cache_config.kv_cache_layout = layout.name
+    planner = _planner()
+    groups = planner.get_kv_cache_groups(vllm_config, specs)
+    kv_cache_config = planner.get_kv_cache_config_from_groups(vllm_config, groups, available_memory)
+
+    # The worker's attention groups: one per (backend, layer spec) in each KV-cache group.
+    attn_layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+    attn_groups: list[list[Any]] = []
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        by_key: dict[tuple, Any] = {}
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[name]
+            backend = attn_layers[name].get_attn_backend()
+            key = (backend.full_cls_name(), spec)
+            if key in by_key:
+                by_key[key].layer_names.append(name)
+            else:
+                by_key[key] = AttentionGroup(backend, [name], spec, group_id)
+        attn_groups.append(list(by_key.values()))
+    kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
+    return Geometry(vllm_config, layers, specs, kv_cache_config, attn_groups, kernel_block_sizes)
+
+
+def select_kernel_block_sizes(geometry: Geometry) -> dict[str, int]:
+    """``select_common_block_size`` for every attention group, as
+    ``AttentionGroup.create_metadata_builders`` calls it; raises vLLM's error."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import select_common_block_size
+
+    chosen = {}
+    for group_id, groups in enumerate(geometry.attn_groups):
+        for group in groups:
+            if isinstance(group.kv_cache_spec, AttentionSpec):
+                size = select_common_block_size(geometry.kernel_block_sizes[group_id],
+                                                [group.backend], [group.kv_cache_spec])
+                chosen[f"{group.backend.get_name()}:{group.layer_names[0]}"] = size
+    return chosen
+
+
+def allocate_and_bind(geometry: Geometry) -> dict[str, torch.Tensor]:
+    """vLLM's allocation and binding of the KV cache views (the fix's self-check runs here)."""
+    from vllm.v1.worker import utils as worker_utils
+
+    layout = geometry.vllm_config.cache_config.get_resolved_kv_cache_layout()
+    kv_caches = worker_utils.allocate_kv_cache(geometry.kv_cache_config, CPU, layout,
+                                               geometry.kernel_block_sizes)
+    flat_groups = [group for groups in geometry.attn_groups for group in groups]
+    views = worker_utils.map_kv_caches_to_kernel_blocks(kv_caches, flat_groups)
+    worker_utils.bind_kv_cache_to_layers(views, geometry.forward_context)
+    return kv_caches
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    layer: str
+    kind: str
+    compress_ratio: int
+    rows: int
+
+
+def flashinfer_pages(geometry: Geometry) -> list[Page]:
+    """Page size of every cache as FlashInfer's SM120 entry (kv_layout="NHD")
+    and the indexer read it: the bound view through the layer's own
+    ``_as_sparse_cache``, then ``shape[1]`` (FlashInfer's NHD page axis)."""
+    from vllm.models.deepseek_v41 import attention as v41
+
+    pages = []
+    for name, layer in geometry.forward_context.items():
+        if isinstance(layer, v41.DeepseekV4Attention):
+            swa = layer._as_sparse_cache(layer.swa_cache_layer.kv_cache)
+            pages.append(Page(layer.swa_cache_layer.prefix, "swa", 0, int(swa.shape[1])))
+            if layer.is_kv_source:
+                compressed = layer._as_sparse_cache(layer.kv_cache)
+                pages.append(Page(name, "compressed", layer.compress_ratio, int(compressed.shape[1])))
+        elif isinstance(layer, v41.DeepseekV4IndexerCache):
+            pages.append(Page(name, "indexer", layer.compress_ratio, int(layer.kv_cache.shape[1])))
+    return pages
+
+
+# ----------------------------------------------------------------- FlashInfer
+
+def flashinfer_version() -> str:
+    import flashinfer
+
+    return str(flashinfer.__version__)
+
+
+def sm120_decode_verdict(page_block_size: int, has_extra: bool, *, num_tokens: int = 8,
+                         num_heads: int = 8, topk: int = 128) -> str | None:
+    """None if FlashInfer routes the DSV4 call to a kernel, else its error text.
+
+    FlashInfer 0.7.0.post1: its SM120 planner's decision (``plan`` ->
+    ``_decide``: the decode and prefill envelopes, then the crossover policy,
+    here without a device calibration record, which only chooses between
+    variants that both serve the call and so cannot turn a miss into a kernel)
+    and, on a miss, the op's own error message.
+    FlashInfer >= 0.7.2: routing lives in the compiled module; its static
+    decode envelope (``supported_sparse_mla_sm120_configs``) answers on CPU."""
+    try:
+        from flashinfer.mla import _sparse_mla_sm120_plan as planner
+        from flashinfer.mla._sparse_mla_sm120 import _decode_dispatch_error_message
+    except ImportError:
+        from flashinfer.mla import supported_sparse_mla_sm120_configs
+
+        config = supported_sparse_mla_sm120_configs()["dsv4"]
+        ok = config.supports_decode(num_heads, topk, num_tokens=num_tokens,
+                                    page_block_size=page_block_size)
+        return None if ok else f"outside the static dsv4 decode envelope (page {page_block_size})"
+    model_type = planner._MODEL_TYPE_DSV4
+    planned = planner._select_calibrated_variant(
+        decode_eligible=planner.decode_splitk_eligible(
+            model_type, num_heads, topk, page_block_size, has_extra, num_tokens),
+        decode_variant=planner.KernelVariant.DECODE_SPLITK,
+        prefill_variant=planner.prefill_variant(
+            model_type, num_heads, topk, page_block_size, has_extra,
+            planner._normalize_prefill_impl(None)),
+        decode_preferred=None)
+    if planned is not None:
+        return None
+    return _decode_dispatch_error_message(num_tokens=num_tokens, num_heads=num_heads, topk=topk,
+                                          d_qk=512, page_block_size=page_block_size,
+                                          model_type=planner._MODEL_TYPE_DSV4, extra_topk=0)
+
+
+def flashinfer_primary_page(kv_cache: torch.Tensor) -> int:
+    """The primary page size FlashInfer derives from a cache: FlashInfer
+    0.7.0.post1's own helper; later releases read bytes/token from the compiled
+    module, so there the NHD page axis (``shape[1]``) is read directly."""
+    try:
+        from flashinfer.mla import _sparse_mla_sm120_plan  # noqa: F401  (0.7.0-style package)
+        from flashinfer.mla._sparse_mla_sm120 import _MODEL_TYPE_DSV4, _packed_kv_page_block_size
+    except ImportError:
+        return int(kv_cache.shape[1])  # NHD [pages, page_block_size, 1, bytes]
+    return _packed_kv_page_block_size(kv_cache, model_type=_MODEL_TYPE_DSV4, name="swa_kv_cache")
+
+
+def sm120_paged_mqa_page_sizes() -> tuple[int, ...]:
+    """The SM120 branch of vLLM's ``get_paged_mqa_page_sizes`` (the page sizes
+    DeepGEMM's paged-MQA logits kernels take), read from its source because the
+    branch is chosen by the device."""
+    source = fix.definition_source("vllm.utils.deep_gemm", "get_paged_mqa_page_sizes")
+    body = ast.parse(source).body[0]
+    returns = [node.value for node in ast.walk(body) if isinstance(node, ast.Return)]
+    if len(returns) != 1 or not isinstance(returns[0], ast.IfExp):
+        raise ValueError("get_paged_mqa_page_sizes is not the reviewed conditional")
+    test = ast.unparse(returns[0].test)
+    if "is_device_capability_family(120)" not in test:
+        raise ValueError(f"get_paged_mqa_page_sizes branches on {test}, not SM120")
+    return tuple(ast.literal_eval(returns[0].body))
+
+
+# ------------------------------------------------------------------- the fix
+
+class applied:
+    """Context manager: the fix applied as on an SM``capability`` device, reverted after."""
+
+    def __init__(self, capability: tuple[int, int] = (12, 0)):
+        self.capability = capability
+        self.result = None
+
+    def __enter__(self):
+        from vllm_mla_fixes.patching import run_fix
+
+        self.result = run_fix(fix.for_capability(self.capability), _installed_vllm())
+        return self.result
+
+    def __exit__(self, *exc):
+        if self.result is not None and self.result.patch is not None:
+            self.result.patch.revert()
+        return False
+
+
+def _installed_vllm() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+# ------------------------------------------------------------------ capacity
+
+def capacity(block_size: int, max_model_len: int, memory: int = 1 << 30) -> dict[str, float]:
+    """KV capacity of the geometry for ``--block-size``, as vLLM reports it at
+    start-up ("GPU KV cache size: N tokens"): ``get_kv_cache_capacity`` on the
+    KV-cache config the planner builds for ``memory`` bytes.
+
+    ``model_config`` is a namespace carrying ``max_model_len`` only (all that
+    the capacity functions read of it): a real ``ModelConfig`` inspects the
+    model class in a subprocess."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    geometry = plan_geometry(block_size, num_gpu_blocks_override=None, available_memory=memory)
+    config = geometry.vllm_config
+    config.model_config = SimpleNamespace(max_model_len=max_model_len)
+    tokens, concurrency = get_kv_cache_capacity(config, geometry.kv_cache_config)
+    kv_config = geometry.kv_cache_config
+    return {
+        "groups": len(kv_config.kv_cache_groups),
+        "num_blocks": kv_config.num_blocks,
+        "bytes_per_block": kv_config.kv_cache_tensors[0].block_stride,
+        "tokens": tokens,
+        "concurrency": concurrency,
+    }
+
+
+# -------------------------------------------------------------------- verify
+
+def verify(report: Callable[[str], None]) -> bool:
+    """Reproduce the upstream failures, then show the fixed geometry."""
+    ok = True
+    report(f"FlashInfer {flashinfer_version()}")
+    try:
+        select_kernel_block_sizes(plan_geometry(64))
+    except ValueError as exc:
+        report(f"--block-size 64, upstream: ValueError: {exc}")
+        ok &= str(exc) == BLOCK_SIZE_ERROR
+    else:
+        report("--block-size 64, upstream: started (expected the 'No common block size' error)")
+        ok = False
+
+    geometry = plan_geometry(128)
+    select_kernel_block_sizes(geometry)
+    allocate_and_bind(geometry)
+    pages = flashinfer_pages(geometry)
+    report("--block-size 128, upstream pages: " + _page_summary(pages))
+    swa = next(layer for layer in geometry.layers.values() if layer.compress_ratio == 0)
+    verdict = sm120_decode_verdict(flashinfer_primary_page(swa._as_sparse_cache(swa.swa_cache_layer.kv_cache)),
+                                   has_extra=False, **REPORT_CALL)
+    report(f"  FlashInfer SM120, SWA-only layer decode: {verdict or 'accepted'}")
+    mqa_pages = sm120_paged_mqa_page_sizes()
+    wrong = sorted({page.rows for page in pages if page.kind == "indexer" and page.rows not in mqa_pages})
+    report(f"  indexer pages of {wrong} states; SM120 paged-MQA logits take {list(mqa_pages)} "
+           "(vLLM's get_paged_mqa_page_sizes)" if wrong else "  indexer pages all fit SM120 paged-MQA")
+
+    with applied((12, 0)) as result:
+        report(f"fix: {result.status.label()} ({result.status.reason})")
+        ok &= result.status.state.value == "applied"
+        for block_size in (64, 128):
+            geometry = plan_geometry(block_size)
+            sizes = select_kernel_block_sizes(geometry)
+            allocate_and_bind(geometry)  # runs the start-up self-check
+            pages = flashinfer_pages(geometry)
+            verdicts = {sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed", **REPORT_CALL)
+                        for page in pages if page.kind != "indexer"}
+            good = all(page.rows == fix.PAGE_ROWS for page in pages) and verdicts == {None}
+            report(f"--block-size {block_size}, fixed: kernel block sizes "
+                   f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "
+                   f"FlashInfer SM120 planner: {'accepts all' if verdicts == {None} else verdicts}")
+            ok &= good
+    return bool(ok)
+
+
+def _page_summary(pages: list[Page]) -> str:
+    seen: dict[tuple[str, int], int] = {}
+    for page in pages:
+        seen.setdefault((page.kind, page.compress_ratio), page.rows)
+    return ", ".join(f"{kind} r{ratio}: {rows}" for (kind, ratio), rows in sorted(seen.items()))
