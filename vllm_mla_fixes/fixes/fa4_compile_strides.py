@@ -331,3 +331,105 @@ def patch_now(patch: Patch) -> None:
     still_frozen = frozen_stride_dims(interface.to_cute_tensor, interface)
     if still_frozen:
         raise RuntimeError(f"after patching, {TARGET} still freezes the strides of dims {still_frozen}")
+
+
+def verify_steps(report=print) -> bool:
+    """CPU reproduce-then-fix on this install (``vllm-mla-fixes verify``): the
+    report's exact error from vLLM's own warm-up kernel, then the same calls
+    and a 75-composition sweep passing with the fix.  About 1-2 min of CuTe
+    compiling; needs vLLM 0.25.x with its pinned nvidia-cutlass-dsl."""
+    from vllm_mla_fixes.reproductions.fa4_compile_strides import verify
+
+    return verify(report)
+
+
+# -- doctor ------------------------------------------------------------------------
+
+CUTLASS_PIN_AFFECTED = "4.5.2"      # what 0.25.0/0.25.1 pin
+CUTLASS_PIN_FIXED = "4.6.0"         # what 0.26.0 pins (see the caveat in INFO.workarounds)
+DISK_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+
+
+def doctor_findings(env, serve) -> list:
+    """Diagnosis for ``vllm-mla-fixes doctor`` (``env``/``serve`` are doctor's
+    ``Environment``/``ServeLine``; ``serve`` may be None)."""
+    from vllm_mla_fixes import doctor
+
+    F = doctor.Finding
+    name = INFO.name
+    vllm_version = env.packages.get("vllm")
+    cutlass = env.packages.get("nvidia-cutlass-dsl")
+    quack = env.packages.get("quack-kernels")
+    findings = []
+    if not vllm_version or not INFO.admits(vllm_version):
+        findings.append(F("ok", name, f"vLLM {vllm_version} does not have this bug (affected: "
+                          f"{', '.join(INFO.affected_releases)} and nightlies of that period; "
+                          f"fixed in {INFO.fixed_in})"))
+        if vllm_version and vllm_version.startswith("0.26.") and cutlass == CUTLASS_PIN_FIXED:
+            findings.append(F("info", name, f"nvidia-cutlass-dsl {cutlass} (0.26.0's pin): a third-party "
+                              "report (vllm#51566, unverified) says it rejects the SM100 Split-KV "
+                              "kernel with TYPE_UNSTABLE_JOIN",
+                              "if SM100 MLA prefill fails with TYPE_UNSTABLE_JOIN, cutlass-dsl 4.6.2 "
+                              "is said to fix it"))
+        return findings
+    sm = env.capability[0] if env.capability else None
+    facts = (f"vLLM {vllm_version}, nvidia-cutlass-dsl {cutlass or '-'}, quack-kernels {quack or '-'}, "
+             f"GPU {'SM%d%d' % env.capability if env.capability else 'not visible'}")
+    if sm is not None and sm != 10:
+        findings.append(F("ok", name, f"{facts}: this GPU does not run FA4's Split-KV MLA prefill "
+                          "(H100/H200 use FA3 for MLA prefill); the bug needs SM100/SM103"))
+        return findings
+    findings.append(F("info", name, f"{facts}: on SM100/SM103 the first MLA prompt over ~8k tokens "
+                      f"that reaches a second prefill chunk can kill EngineCore: {INFO.error}"))
+    if cutlass and cutlass != CUTLASS_PIN_AFFECTED:
+        findings.append(F("info", name, f"nvidia-cutlass-dsl {cutlass} is not vLLM "
+                          f"{vllm_version}'s pin ({CUTLASS_PIN_AFFECTED}); the fix's probe decides at "
+                          "start-up and leaves vLLM alone if FA4 behaves differently"))
+    if os.environ.get(DISK_CACHE_ENV) == "1":
+        findings.append(F("info", name, f"{DISK_CACHE_ENV}=1: FA4 kernels compiled before the fix stay "
+                          "on disk under the plain source-fingerprint folder; the fix compiles into a "
+                          f"fresh '<fingerprint>{DISK_NAMESPACE_SUFFIX}' folder and never loads them",
+                          "expect one compile per kernel on the first patched start-up"))
+    if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
+        findings.append(F("ok", name, "VLLM_BATCH_INVARIANT=1 forces num_splits=1: no Split-KV, "
+                          "this failure cannot happen (at batch-invariant mode's cost)"))
+        return findings
+    if serve is not None:
+        archs = set(serve.architectures)
+        is_mla = bool(archs & doctor.MLA_ARCHITECTURES) or "kv_lora_rank" in serve.model_config
+        if serve.model_config and not is_mla:
+            findings.append(F("ok", name, "not an MLA model: this failure is specific to MLA prefill"))
+            return findings
+        backend = str(serve.attention_config.get("mla_prefill_backend") or "").upper()
+        if backend and backend != "FLASH_ATTN":
+            findings.append(F("ok", name, f"mla_prefill_backend={backend}: MLA prefill does not use "
+                              "FA4, so this failure cannot happen"))
+            return findings
+        if serve.kernel_config.get("enable_cutedsl_warmup") is False:
+            findings.append(F("info", name, "enable_cutedsl_warmup=false (the workaround) avoids the "
+                              "crash; cost: each FA4 kernel JIT-compiles on first use, a stall of "
+                              "~15-25 s in the serving path",
+                              "with the fix applied, drop it to get the warm-up back"))
+    findings.append(_doctor_fix_verdict(env))
+    return findings
+
+
+def _doctor_fix_verdict(env):
+    from vllm_mla_fixes import doctor
+
+    F = doctor.Finding
+    state = env.fix_states.get(INFO.name, "")
+    if state == "applied":
+        return F("ok", INFO.name, "the fix is armed here: it checks and patches FA4 in each worker "
+                 "when vLLM imports it, before warm-up; the worker log says "
+                 f"'vllm-mla-fixes: {INFO.name}: patched'", "run the same serve line")
+    if state.startswith("skipped: cannot probe here"):
+        return F("warn", INFO.name, f"the fix cannot check FA4 in this process ({state}); "
+                 "on a GPU node with vLLM's CUDA build it can", "run doctor on the GPU node")
+    verdict = doctor._fix_verdict(env, INFO.name)
+    if verdict.level == "error":
+        verdict.advice += ("; or work around it: --attention-config "
+                           "'{\"mla_prefill_backend\": \"TRTLLM_RAGGED\"}' (no FA4), or --kernel-config "
+                           "'{\"enable_cutedsl_warmup\": false}' (a JIT stall on each kernel's first use), "
+                           f"or upgrade to vLLM {INFO.fixed_in}")
+    return verdict
