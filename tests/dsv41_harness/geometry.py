@@ -259,23 +259,21 @@ class Layout:
 
 def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
     from vllm.config import set_current_vllm_config
-    from vllm.models.deepseek_v41.attention import (
-        DeepseekV4Attention,
-        DeepseekV4IndexerCache,
-    )
+    from vllm.models.deepseek_v41 import attention
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
     from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
         DeepseekSparseSWAFlashInferBackend,
         DeepseekV4FlashInferMLASparseBackend,
     )
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
 
     caches: dict[str, CacheLayer] = {}
     fi_backend = DeepseekV4FlashInferMLASparseBackend
     with set_current_vllm_config(cfg):
         for layer, ratio in enumerate(model.compress_ratios):
             prefix = f"model.layers.{layer}.self_attn"
-            swa = DeepseekV4SWACache(
+            # Built through the name DeepseekV4Attention.__init__ uses, so a
+            # fix that redirects that call site takes part.
+            swa = attention.DeepseekV4SWACache(
                 head_dim=512,
                 window_size=model.sliding_window,
                 dtype=torch.uint8,
@@ -306,9 +304,9 @@ def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
                 kv_cache=torch.tensor([]),
                 prefix=prefix,
             )
-            attn_self.spec_source = (DeepseekV4Attention, ratio_cfg)
+            attn_self.spec_source = (attention.DeepseekV4Attention, ratio_cfg)
             caches[prefix] = CacheLayer(prefix, "compressed", layer, ratio, attn_self, fi_backend)
-            index = DeepseekV4IndexerCache(
+            index = attention.DeepseekV4IndexerCache(
                 head_dim=INDEXER_ROW,
                 dtype=torch.uint8,
                 prefix=f"{prefix}.indexer.k_cache",

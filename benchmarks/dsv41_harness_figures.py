@@ -1,0 +1,70 @@
+"""DeepSeek-V4.1 SM120 page geometry: the CPU correctness harness's figures.
+
+For each geometry, the harness (``tests/dsv41_harness``) allocates the tiny
+model's caches with vLLM's own code, writes random latents through vLLM's
+Triton writers and slot mappings (``TRITON_INTERPRET=1``), decodes by reading
+the pages as FlashInfer's SM120 kernel does, and compares with a dense
+computation on the un-paged latents; a sentinel fill counts the bytes each
+write changed outside its cache's own pages.
+
+Geometries (see ``tests/dsv41_harness/geometry.py``):
+
+* ``per-ratio``           the fix's geometry, built from the spec classes;
+* ``plugin``              the same, produced by this project's fix module;
+* ``split-untranslated``  128-token manager blocks split into 64-token kernel
+                          blocks for ratio 1, writers not translated (PR #56509's
+                          bug class);
+* ``split-translated``    the same split with the writers' slots translated
+                          (control: the split itself is not what fails).
+
+Needs a vLLM 0.32.0 environment; about a minute per geometry on two cores.
+
+    CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 python benchmarks/dsv41_harness_figures.py \
+        [--geometry NAME ...] [--layout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ("per-ratio", "plugin", "split-untranslated", "split-translated")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", action="append", choices=DEFAULT,
+                        help="geometry to run (repeatable; default: all four)")
+    parser.add_argument("--layout", action="store_true",
+                        help="also print each geometry's cache layout")
+    args = parser.parse_args(argv)
+
+    for name, value in (("TRITON_INTERPRET", "1"), ("CUDA_VISIBLE_DEVICES", "")):
+        os.environ.setdefault(name, value)
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+    import dsv41_harness  # noqa: F401
+    from dsv41_harness.geometry import fix_module
+    from dsv41_harness.run import figures_table, run_harness
+
+    results = []
+    for geometry in args.geometry or DEFAULT:
+        if geometry == "plugin" and fix_module() is None:
+            print("plugin: skipped (vllm_mla_fixes.fixes.dsv41_sm120_geometry is missing)")
+            continue
+        result = run_harness(geometry)
+        print(result.summary(), flush=True)
+        if args.layout:
+            print("\n".join(f"    {line}" for line in result.layout))
+            if result.guard_error:
+                print(f"    vLLM's own mapping refused the split: {result.guard_error}")
+        results.append(result)
+    print()
+    print(figures_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
