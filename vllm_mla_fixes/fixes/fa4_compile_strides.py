@@ -38,7 +38,8 @@ How we fix it
     (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``) the new cache lives in a
     fresh namespace beside the old one, because the cache's source fingerprint
     cannot see a monkeypatch.  After patching the probe runs again; if it still
-    sees a frozen stride, the patch is reverted and the fix reports "skipped".
+    sees a frozen stride, the patch is reverted and the fix reports "skipped"
+    (from the import hook below: logs "left untouched").
 
 Gate
     Release range ``>=0.23.1.dev0,<0.26.0`` (admits the nightlies), then a
@@ -50,8 +51,8 @@ Gate
 
     Importing FA4's CuTe code imports cutlass-dsl, whose start-up calls
     ``cuInit`` to detect the GPU (unless ``CUTE_DSL_ARCH`` is set).  A plugin
-    must not do that in the API server or engine core: workers forked after
-    a ``cuInit`` cannot use CUDA.  So when vLLM has not imported
+    must not do that in the API server or engine core: CUDA is not fork-safe,
+    and vLLM forks workers unless torch reports CUDA initialised.  So when vLLM has not imported
     ``vllm.vllm_flash_attn.cute.interface`` yet, ``probe`` only checks without
     importing it (FA4 present, compile-only specs in its source) and
     ``apply`` arms an import hook; the functional probe and the patch run
