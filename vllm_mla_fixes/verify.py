@@ -17,6 +17,8 @@ from vllm_mla_fixes.fixes import ALL_FIXES
 
 VERIFIERS = {
     "fp8-ds-mla-reshape": "vllm_mla_fixes.reproductions.fp8_ds_mla",
+    "fa4-compile-strides": "vllm_mla_fixes.reproductions.fa4_compile_strides",
+    "dsv41-sm120-geometry": "vllm_mla_fixes.reproductions.dsv41_sm120_geometry",
 }
 
 
