@@ -91,3 +91,20 @@ def test_without_vllm_installed_doctor_says_so(tmp_path):
     assert proc.returncode == 1
     assert "vLLM is not installed in this environment" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0")
+def test_dsv41_line_checklist_and_corrected_page_32_attribution():
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO
+
+    model = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
+    proc = doctor("--json", "--", "vllm", "serve", str(model), "--attention-backend",
+                  "FLASHINFER_MLA_SPARSE_DSV41", "--kv-cache-dtype", "fp8", "--block-size", "128",
+                  "--attention-config.indexer_kv_dtype=mxfp4", "--moe-backend", "triton")
+    findings = [f for f in _findings(proc) if f["topic"] == INFO.name]
+    text = " | ".join(f["message"] for f in findings)
+    assert "32-token sliding-window cache of a SWA-only layer (not a ratio-2 page" in text
+    assert "indexer_kv_dtype='mxfp4' requires SM10x" in text
+    assert "--moe-backend triton is not supported on SM120" in text
+    assert "U+FFFD" in text
+    assert proc.returncode == 1  # mxfp4 and triton block this line on SM120

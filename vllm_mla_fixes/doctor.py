@@ -109,7 +109,8 @@ def _fix_states() -> dict[str, str]:
         import vllm_mla_fixes
 
         vllm.plugins.load_general_plugins()
-        return {s.name: s.label() for s in vllm_mla_fixes.status()}
+        return {s.name: s.label() if s.label() != "not-needed" else f"not-needed: {s.reason}"
+                for s in vllm_mla_fixes.status()}
     except Exception as exc:
         return {m.INFO.name: f"unknown: loading vLLM failed ({type(exc).__name__}: {exc})"
                 for m in ALL_FIXES}
@@ -224,6 +225,10 @@ def _fix_verdict(env: Environment, name: str) -> Finding:
     if env.vllm_plugins is not None and "mla_fixes" not in env.vllm_plugins.split(","):
         return Finding("error", name, f"VLLM_PLUGINS={env.vllm_plugins!r} does not name mla_fixes, "
                        "so vLLM never loads the fix", "add mla_fixes to VLLM_PLUGINS (comma list)")
+    if state and state.startswith("not-needed"):
+        return Finding("info", name, f"the plugin does not apply the fix in this process ({state}); "
+                       "each vLLM process decides again on its own GPU",
+                       "run doctor on the serving node to see the decision there")
     return Finding("error", name, f"the fix is not applied here: {state or 'not evaluated'}",
                    "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix")
 
