@@ -15,7 +15,7 @@ every byte written (see ``tests/dsv41_harness``).
   vLLM PR #56509, which serves U+FFFD) fails both checks.
 
 Run: ``CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 python -m pytest
-tests/test_dsv41_correctness.py --vllm-release 0.32.0 -s`` (about four minutes
+tests/test_dsv41_correctness.py --vllm-release 0.32.0 -s`` (about three minutes
 on two cores).  Figures: ``benchmarks/dsv41_harness_figures.py``.
 """
 
@@ -164,15 +164,23 @@ def test_harness_catches_the_untranslated_split(broken):
         # Reads of the ratio-1 compressed cache find other bytes than written.
         assert broken.attention[layer]["vs_quantized"]["rel"] > 1.0
         assert broken.indexer[layer]["rel"] > 0.5
-    # Layers whose caches are not split stay exact: the harness localises it.
-    for layer, r in enumerate(ratios):
-        if r != 1:
-            assert broken.attention[layer]["vs_quantized"]["rel"] <= EXACT
-    # Every ratio-1 write lands outside its own pages, some in other caches'.
+    # Every ratio-1 write lands outside its own pages ...
     split_writes = [w for w in broken.writes if w.cache.startswith(f"model.layers.{ratio1[0]}.")
                     and not w.cache.endswith("swa_cache")]
     assert split_writes and all(w.foreign_bytes == w.changed_bytes > 0 for w in split_writes)
-    assert broken.foreign_bytes > 0 and broken.stray_bytes > 0
+    assert broken.stray_bytes > 0
+    # ... some of them into other caches' pages, which is how the other layers
+    # get corrupted too.  Layers none of whose caches was hit stay exact: the
+    # harness pins the damage on the untranslated writes.
+    hit = broken.clobbered_caches
+    assert hit, "the misplaced writes hit no other cache's pages"
+    for layer, r in enumerate(ratios):
+        read = [f"model.layers.{layer}.self_attn.swa_cache"]
+        if r:
+            read.append(f"model.layers.{layer}.self_attn")
+        if r != 1 and not any(name in hit for name in read):
+            assert broken.attention[layer]["vs_quantized"]["rel"] <= EXACT, layer
+    print(f"\n[split-untranslated] caches hit by other caches' writes: {hit}")
 
 
 def test_figures(fixed, broken):

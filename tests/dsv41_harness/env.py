@@ -25,13 +25,16 @@ REQUIRED_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def prepare_process_env() -> None:
-    """Set the variables the harness needs, unless the caller chose otherwise."""
-    if "triton" in sys.modules or "vllm" in sys.modules:
-        # Too late to change how kernels are built; interpreter_problem() says
-        # whether what was built can run here.
-        return
-    for name, value in REQUIRED_ENV.items():
-        os.environ.setdefault(name, value)
+    """Set the variables the harness needs, unless the caller chose otherwise
+    or it is too late for them to matter (:func:`interpreter_problem` then
+    says whether what was built can run here)."""
+    # vllm.triton_utils decides HAS_TRITON when it is imported; Triton reads
+    # TRITON_INTERPRET whenever a kernel is decorated, i.e. when vLLM's
+    # DeepSeek-V4.1 op modules are imported.
+    if "vllm.triton_utils" not in sys.modules:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", REQUIRED_ENV["CUDA_VISIBLE_DEVICES"])
+    if "vllm.models.deepseek_v41.common.ops" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", REQUIRED_ENV["TRITON_INTERPRET"])
 
 
 def interpreter_problem() -> str | None:

@@ -24,7 +24,8 @@ def applied_fix(capability: tuple[int, int] = (12, 0)):
 
     result = run_fix(fix.for_capability(capability), vllm.__version__)
     if result.status.state is not State.APPLIED:
-        raise FixUnavailable(f"the fix did not apply: {result.status.label()} ({result.status.reason})")
+        status = result.status
+        raise FixUnavailable(f"the fix did not apply: {status.label()} ({status.reason})")
     try:
         yield result
     finally:

@@ -50,6 +50,7 @@ class WriteRecord:
     changed_bytes: int  # bytes this write changed
     foreign_bytes: int  # ... outside the cache's own pages
     clobbered_bytes: int  # ... inside other caches' pages (a subset of foreign)
+    clobbered: dict[str, int] = field(default_factory=dict)  # per other cache
 
 
 @dataclass
@@ -72,6 +73,15 @@ class HarnessResult:
     @property
     def clobbered_bytes(self) -> int:
         return sum(w.clobbered_bytes for w in self.writes)
+
+    @property
+    def clobbered_caches(self) -> dict[str, int]:
+        """Bytes written into each cache's pages by other caches' writes."""
+        out: dict[str, int] = {}
+        for w in self.writes:
+            for name, n in w.clobbered.items():
+                out[name] = out.get(name, 0) + n
+        return out
 
     def worst(self, key: str = "vs_quantized") -> dict[str, float]:
         figs = [a[key] for a in self.attention.values()]
@@ -228,7 +238,8 @@ class Step:
         return int(self.positions.numel())
 
     def token_rows(self, per_request: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([x[a:b] for x, (a, b) in zip(per_request, self.requests)]).contiguous()
+        rows = [x[a:b] for x, (a, b) in zip(per_request, self.requests, strict=True)]
+        return torch.cat(rows).contiguous()
 
 
 def make_step(model: TinyModel, name: str) -> Step:
@@ -330,11 +341,17 @@ class Writer:
         fn()
         changed = storage != before
         foreign = changed & ~self.own_mask([cache])
-        others = self.own_mask([c for c in self.layout.caches.values() if c is not cache])
+        clobbered = {}
+        if bool(foreign.any()):
+            for other in self.layout.caches.values():
+                if other is not cache:
+                    hit = int((foreign & self.own_mask([other])).sum())
+                    if hit:
+                        clobbered[other.name] = hit
         self.result.writes.append(
             WriteRecord(
                 step, cache.name, int(changed.sum()), int(foreign.sum()),
-                int((foreign & others).sum()),
+                sum(clobbered.values()), clobbered,
             )
         )
 
@@ -612,16 +629,17 @@ def run_harness(geometry: str, model: TinyModel | None = None, seed: int = 0) ->
 def figures_table(results: list[HarnessResult]) -> str:
     """The error and sentinel figures of several runs, as a text table."""
     head = (
-        "geometry", "max abs err", "rel err", "rel err vs bf16", "indexer rel err",
-        "bytes outside own pages", "into other caches' pages", "stray bytes",
+        "geometry", "max abs err", "rel err", "non-finite", "rel err vs bf16",
+        "indexer rel err", "bytes outside own pages", "into other caches' pages",
+        "stray bytes",
     )
     rows = [head]
     for r in results:
         w, u, i = r.worst(), r.worst("vs_unquantized"), r.indexer_worst()
         rows.append((
-            r.geometry, f"{w['max_abs']:.3e}", f"{w['rel']:.3e}", f"{u['rel']:.3e}",
-            f"{i['rel']:.3e}", str(r.foreign_bytes), str(r.clobbered_bytes),
-            str(r.stray_bytes),
+            r.geometry, f"{w['max_abs']:.3e}", f"{w['rel']:.3e}", str(w["non_finite"]),
+            f"{u['rel']:.3e}", f"{i['rel']:.3e}", str(r.foreign_bytes),
+            str(r.clobbered_bytes), str(r.stray_bytes),
         ))
     widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
     lines = [
@@ -630,6 +648,9 @@ def figures_table(results: list[HarnessResult]) -> str:
     lines.insert(1, "-+-".join("-" * w for w in widths))
     notes = []
     for r in results:
+        if r.clobbered_caches:
+            hit = ", ".join(f"{k} ({v} B)" for k, v in sorted(r.clobbered_caches.items()))
+            notes.append(f"  {r.geometry}: caches whose pages other writes hit: {hit}")
         per_layer = ", ".join(
             f"layer {layer} (ratio {r.ratios[layer]}) {a['vs_quantized']['rel']:.1e}"
             for layer, a in r.attention.items()
@@ -637,8 +658,13 @@ def figures_table(results: list[HarnessResult]) -> str:
         notes.append(f"  {r.geometry}: rel err per layer: {per_layer}")
     floor = max(a["gpu_fp8_floor"]["rel"] for r in results for a in r.attention.values())
     notes.append(
-        "  rel err = max |paged - dense| / max |dense|; dense applies fp8 as the writers "
-        f"did ({results[0].rounding}); 'vs bf16' compares with un-quantised latents "
-        f"(a GPU writer's fp8 floor on these inputs: {floor:.3e})."
+        "  rel err = max |paged - dense| / max |dense| over every layer's decode "
+        "(non-finite paged outputs count as infinite error); dense applies fp8 as the "
+        f"writers did ({results[0].rounding}); 'vs bf16' compares with the un-quantised "
+        f"latents (a GPU writer's fp8 floor on these inputs: {floor:.3e}).\n"
+        "  bytes outside own pages: bytes a write changed outside its cache's pages in "
+        "the blocks its group was given; into other caches' pages: the part of them "
+        "that hit another cache's pages; stray: bytes differing from the sentinel "
+        "outside every cache's pages after the run."
     )
     return "\n".join(lines + notes)
