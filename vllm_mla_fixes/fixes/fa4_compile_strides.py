@@ -215,17 +215,28 @@ def _cute_fake_tensor_api() -> tuple[Any, Any, Any]:
     return make, sym_int, sym_int64
 
 
+TARGET_PARAMS = ("t", "assumed_align", "leading_dim", "fully_dynamic", "enable_tvm_ffi")
+
+
 def symbolic_spec_converter(original: Any) -> Any:
     """A ``to_cute_tensor`` that turns compile-only specs into fully symbolic
     fake tensors and hands everything else to ``original``."""
+    import inspect
+
+    import torch
+
+    params = tuple(inspect.signature(original).parameters)
+    if params != TARGET_PARAMS:  # the fast path below passes them by position
+        raise TargetMismatch(f"{TARGET}{params} is not the reviewed signature {TARGET_PARAMS}")
     make_fake, sym_int, sym_int64 = _cute_fake_tensor_api()
 
     @functools.wraps(original)
     def to_cute_tensor(t, assumed_align=16, leading_dim=-1, fully_dynamic=False,
                        enable_tvm_ffi=True):
-        if not hasattr(t, "_cute_tensor"):
-            return original(t, assumed_align=assumed_align, leading_dim=leading_dim,
-                            fully_dynamic=fully_dynamic, enable_tvm_ffi=enable_tvm_ffi)
+        # Runs for every tensor of every FA4 call: real tensors take the cheap
+        # isinstance exit (a failing hasattr on a tensor costs ~1 us).
+        if isinstance(t, torch.Tensor) or not hasattr(t, "_cute_tensor"):
+            return original(t, assumed_align, leading_dim, fully_dynamic, enable_tvm_ffi)
         elem = t._cute_tensor.element_type
         rank = t.ndim
         if fully_dynamic:
