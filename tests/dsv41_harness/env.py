@@ -79,6 +79,12 @@ def simulated_sm120_host(capability: tuple[int, int] = (12, 0), sm_count: int = 
         setattr(platform_cls, name, value)
     saved_sm_count = indexer.num_compute_units
     indexer.num_compute_units = lambda device_id=0: sm_count
+    # 0.33 also caches the pinned-memory answer in a module constant.
+    from vllm.utils import torch_utils
+
+    saved_pin = torch_utils.__dict__.get("PIN_MEMORY", _MISSING)
+    if saved_pin is not _MISSING:
+        torch_utils.PIN_MEMORY = False
     platform_utils.is_pin_memory_available.cache_clear()
     platform_utils.is_uva_available.cache_clear()
     try:
@@ -90,6 +96,8 @@ def simulated_sm120_host(capability: tuple[int, int] = (12, 0), sm_count: int = 
             else:
                 setattr(platform_cls, name, value)
         indexer.num_compute_units = saved_sm_count
+        if saved_pin is not _MISSING:
+            torch_utils.PIN_MEMORY = saved_pin
         platform_utils.is_pin_memory_available.cache_clear()
         platform_utils.is_uva_available.cache_clear()
 

@@ -372,13 +372,19 @@ def unguarded_kernel_view(group, kv_cache: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _kv_cache_planner():
+    """vLLM's module with get_kv_cache_groups / get_kv_cache_config_from_groups
+    (``kv_cache_utils`` in 0.32, ``kv_cache_planning`` from 0.33)."""
+    try:
+        from vllm.v1.core import kv_cache_planning as planner
+    except ImportError:
+        from vllm.v1.core import kv_cache_utils as planner
+    return planner
+
+
 def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
     """Specs, groups, allocation, attention groups, kernel views, bindings."""
     from vllm.models.deepseek_v41.compressor import CompressorBackend
-    from vllm.v1.core.kv_cache_utils import (
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-    )
     from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import (
         AttentionGroup,
@@ -405,8 +411,9 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
             spec = customize_attention_spec(cache.backend, spec)
         specs[name] = spec
 
-    groups = get_kv_cache_groups(cfg, specs)
-    kv_cache_config = get_kv_cache_config_from_groups(cfg, groups, 1 << 40)
+    planner = _kv_cache_planner()
+    groups = planner.get_kv_cache_groups(cfg, specs)
+    kv_cache_config = planner.get_kv_cache_config_from_groups(cfg, groups, 1 << 40)
 
     # Phase 1 of init_attn_backend: one AttentionGroup per (backend, spec).
     attn_groups: list[list[Any]] = []

@@ -315,15 +315,19 @@ def sm120_sparse_decode(
 
 
 def error_figures(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """max |got - ref|, that over max |ref|, and the non-finite count."""
+    """max |got - ref| (non-finite outputs count as infinite), that over
+    max |ref|, the count of non-finite outputs, and max |got - ref| over the
+    finite outputs alone."""
     got = got.float()
     ref = ref.float()
-    bad = int((~torch.isfinite(got)).sum())
+    finite = torch.isfinite(got)
     diff = torch.nan_to_num(got - ref, nan=float("inf")).abs()
     max_abs = float(diff.max()) if diff.numel() else 0.0
+    finite_diff = diff[finite]
     ref_max = float(ref.abs().max()) if ref.numel() else 0.0
     return {
         "max_abs": max_abs,
         "rel": max_abs / ref_max if ref_max > 0 else float("inf"),
-        "non_finite": bad,
+        "non_finite": int((~finite).sum()),
+        "finite_max_abs": float(finite_diff.max()) if finite_diff.numel() else 0.0,
     }

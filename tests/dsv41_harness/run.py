@@ -89,6 +89,7 @@ class HarnessResult:
             "max_abs": max(f["max_abs"] for f in figs),
             "rel": max(f["rel"] for f in figs),
             "non_finite": sum(f["non_finite"] for f in figs),
+            "finite_max_abs": max(f["finite_max_abs"] for f in figs),
         }
 
     def indexer_worst(self) -> dict[str, float]:
@@ -103,7 +104,8 @@ class HarnessResult:
         i = self.indexer_worst()
         return (
             f"[{self.geometry}] attention vs dense(fp8 as written): max abs "
-            f"{w['max_abs']:.3e}, rel {w['rel']:.3e}; vs dense(bf16): rel "
+            f"{w['max_abs']:.3e}, rel {w['rel']:.3e} ({w['non_finite']} non-finite outputs, "
+            f"finite part max abs {w['finite_max_abs']:.3e}); vs dense(bf16): rel "
             f"{u['rel']:.3e}; indexer keys rel {i['rel']:.3e}; bytes written "
             f"outside own pages {self.foreign_bytes} (into other caches' pages "
             f"{self.clobbered_bytes}); non-sentinel bytes outside all own pages "
@@ -629,7 +631,8 @@ def run_harness(geometry: str, model: TinyModel | None = None, seed: int = 0) ->
 def figures_table(results: list[HarnessResult]) -> str:
     """The error and sentinel figures of several runs, as a text table."""
     head = (
-        "geometry", "max abs err", "rel err", "non-finite", "rel err vs bf16",
+        "geometry", "max abs err", "rel err", "non-finite", "finite max abs err",
+        "rel err vs bf16",
         "indexer rel err", "bytes outside own pages", "into other caches' pages",
         "stray bytes",
     )
@@ -638,8 +641,8 @@ def figures_table(results: list[HarnessResult]) -> str:
         w, u, i = r.worst(), r.worst("vs_unquantized"), r.indexer_worst()
         rows.append((
             r.geometry, f"{w['max_abs']:.3e}", f"{w['rel']:.3e}", str(w["non_finite"]),
-            f"{u['rel']:.3e}", f"{i['rel']:.3e}", str(r.foreign_bytes),
-            str(r.clobbered_bytes), str(r.stray_bytes),
+            f"{w['finite_max_abs']:.3e}", f"{u['rel']:.3e}", f"{i['rel']:.3e}",
+            str(r.foreign_bytes), str(r.clobbered_bytes), str(r.stray_bytes),
         ))
     widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
     lines = [
