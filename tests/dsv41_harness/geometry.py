@@ -17,7 +17,10 @@ carries the attributes it reads), and so are the grouping
 ``allocate_kv_cache``), the attention groups' kernel block sizes
 (``prepare_kernel_block_sizes``, ``AttentionGroup.create_metadata_builders``),
 the kernel views (``map_kv_caches_to_kernel_blocks``) and the bound views
-(each module's ``bind_kv_cache``).
+(each module's ``bind_kv_cache``).  Only the first phase of vLLM's
+``init_attn_backend`` (one ``AttentionGroup`` per backend and spec within a
+cache group) is redone here, because it looks the layers up as real attention
+modules, which the compressed caches' stand-in is not.
 
 Geometries (what differs is only the block sizes handed to the specs and the
 kernel block sizes the backends declare):
@@ -30,10 +33,12 @@ kernel block sizes the backends declare):
     The bug class (the dossier's "alternative" without slot translation, as
     in vLLM PR #56509): every compressed/indexer cache keeps 128-token manager
     blocks and the backends ask for 64-token kernel blocks for ratio 1.  vLLM
-    0.32.0 refuses to map such a split (``map_kv_cache_to_kernel_blocks``
-    raises); the harness lifts that refusal the way the PR's base did, viewing
-    each 128-token page as two 64-row kernel pages, and reads through vLLM's
-    kernel block tables, while the writers keep their manager-block slots.
+    0.32.0/0.33.0 refuse to map such a split (``map_kv_cache_to_kernel_blocks``
+    raises; the PR's target may predate that guard); the harness maps it as a
+    split without the guard would (:func:`unguarded_kernel_view`: each
+    128-token page viewed as two 64-row kernel pages, ``kernel_block_stride``
+    set for vLLM's ``map_to_kernel_block_table``), reads through vLLM's kernel
+    block tables, and lets the writers keep their manager-block slots.
 ``split-translated``
     Control: the same split, with the ratio-1 writers' slots translated into
     kernel-block slots (``s -> ((s // B) * S + (s % B) // k) * k + s % k``).

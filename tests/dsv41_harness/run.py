@@ -11,10 +11,16 @@ Flow (all vLLM calls are the installed release's own code):
 3. Two steps run: a prefill of every request but its last token, then a decode
    step of that last token.  Per step, ``BlockTables`` gathers the tables and
    computes the slot mappings; the attention groups' metadata builders (the
-   FlashInfer sparse-MLA builder and the SWA builder) build their metadata.
-   The writers then run: ``quantize_and_insert_k_cache`` for the sliding
-   window (the Triton twin of the CUDA fused insert, same 2-D page view and
-   ``block_size``), ``rope_quant_insert`` for the compressed KV cache and
+   FlashInfer sparse-MLA builder every step, the SWA builder in the decode
+   step; in the write-only prefill step the SWA writer takes the group's slot
+   mapping, which that builder passes through unchanged) build their
+   metadata.  The indexer's builder needs DeepGEMM on a GPU to build, so its
+   K slots come from the ``get_compressed_slot_mapping`` call its ``build()``
+   makes, with the builder's own spec.  The writers then run:
+   ``quantize_and_insert_k_cache`` for the sliding window (the Triton twin of
+   the CUDA-only fused insert SM120 uses, same 2-D page view and
+   ``block_size`` argument; its input is the already-rotated row),
+   ``rope_quant_insert`` for the compressed KV cache and
    ``indexer_k_norm_rope_store`` for the indexer keys, each with the slot
    mapping vLLM gives it.  Every write is checked against the sentinel.
 4. Decode: ``compute_global_topk_indices_and_lens`` maps the (random) local
