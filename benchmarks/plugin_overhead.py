@@ -52,7 +52,7 @@ def main() -> None:
     from importlib.metadata import version
 
     print(f"vLLM {version('vllm')}, median of {args.repeats} fresh interpreters, CPU")
-    print(f"| case | import vllm + load_general_plugins (s) | load_general_plugins alone (s) |")
+    print("| case | import vllm + load_general_plugins (s) | load_general_plugins alone (s) |")
     print("|---|---|---|")
     for label, (total, plugins, _) in rows.items():
         print(f"| {label} | {total:.2f} | {plugins:.3f} |")

@@ -8,7 +8,6 @@ import http.server
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading

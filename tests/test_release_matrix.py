@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from vllm_mla_fixes import installed_vllm_version
 from vllm_mla_fixes.fixes import ALL_FIXES, dsv41_sm120_geometry, fa4_compile_strides, fp8_ds_mla_reshape

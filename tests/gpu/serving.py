@@ -1,6 +1,7 @@
 """Run ``vllm serve`` on a tiny dummy-weight model and talk to it (GPU tests only)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -58,41 +59,64 @@ class ServeResult:
         return text in self.log
 
 
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen
+    healthy: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, args: list[str], env: dict[str, str], log_path: Path,
+                   startup_timeout: float = 900):
+    """``vllm serve`` on a free loopback port with exactly the environment
+    ``env``; waits for /health (or for the process to die) before yielding, and
+    stops the server on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        server = Server(port, subprocess.Popen(cmd, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        try:
+            deadline = time.monotonic() + startup_timeout
+            while time.monotonic() < deadline and server.proc.poll() is None and not server.healthy:
+                try:
+                    with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
+                        server.healthy = r.status == 200
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    time.sleep(2)
+            yield server
+        finally:
+            if server.proc.poll() is None:
+                server.proc.terminate()
+                try:
+                    server.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    server.proc.kill()
+                    server.proc.wait()
+
+
+def complete(server: Server, model_dir: Path, prompt: list[int], max_tokens: int, **extra) -> dict:
+    """One greedy /v1/completions request with a token-ID prompt."""
+    body = json.dumps({"model": str(model_dir), "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, **extra}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.loads(r.read())
+
+
 def serve(model_dir: Path, args: list[str], env: dict[str, str], log_path: Path,
           startup_timeout: float = 900, prompts: list[list[int]] | None = None,
           max_tokens: int = 8) -> ServeResult:
     """Start the server, wait for /health or for it to die, send the prompts, stop it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *args]
-    full_env = {**os.environ, **env}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
-        healthy, completions = False, []
-        try:
-            deadline = time.monotonic() + startup_timeout
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                        healthy = r.status == 200
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-                if healthy:
-                    break
-                time.sleep(2)
-            for prompt in (prompts or []) if healthy else []:
-                body = json.dumps({"model": str(model_dir), "prompt": prompt, "max_tokens": max_tokens,
-                                   "temperature": 0, "ignore_eos": True}).encode()
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=300) as r:
-                    completions.append(json.loads(r.read()))
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    return ServeResult(healthy, log_path.read_text(errors="replace"), proc.returncode, completions)
+    with running_server(model_dir, args, {**os.environ, **env}, log_path, startup_timeout) as server:
+        completions = [complete(server, model_dir, p, max_tokens) for p in (prompts or [])
+                       if server.healthy]
+    return ServeResult(server.healthy, log_path.read_text(errors="replace"), server.proc.returncode,
+                       completions)

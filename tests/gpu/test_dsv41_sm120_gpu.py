@@ -22,7 +22,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -139,54 +138,24 @@ def reference_run(output: Path) -> None:
 
 # ------------------------------------------------------------------ serving
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_and_generate(args: list[str], env: dict[str, str], log_path: Path, prompts=PROMPTS,
                        startup_timeout: float = 1200) -> dict:
     """``vllm serve``; wait for /health; greedy completions as token ids; stop."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL_DIR),
-           "--host", "127.0.0.1", "--port", str(port), *args]
+    from gpu.serving import complete, running_server  # pytest only: this file also runs as a script
+
     result = {"healthy": False, "completions": [], "request_error": None}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + startup_timeout
-            while time.monotonic() < deadline and proc.poll() is None and not result["healthy"]:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                        result["healthy"] = r.status == 200
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    time.sleep(2)
-            for prompt in prompts if result["healthy"] else []:
-                body = json.dumps({"model": str(MODEL_DIR), "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                   "temperature": 0, "ignore_eos": True, "logprobs": 5,
-                                   "return_tokens_as_token_ids": True}).encode()
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(request, timeout=600) as r:
-                        choice = json.loads(r.read())["choices"][0]
-                except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                    result["request_error"] = f"{type(exc).__name__}: {exc}"
-                    break
-                tokens = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
-                result["completions"].append({"tokens": tokens, "text": choice.get("text", "")})
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    result["returncode"] = proc.returncode
+    with running_server(MODEL_DIR, args, {**os.environ, **env}, log_path, startup_timeout) as server:
+        result["healthy"] = server.healthy
+        for prompt in prompts if server.healthy else []:
+            try:
+                choice = complete(server, MODEL_DIR, prompt, MAX_TOKENS, logprobs=5,
+                                  return_tokens_as_token_ids=True)["choices"][0]
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                result["request_error"] = f"{type(exc).__name__}: {exc}"
+                break
+            tokens = [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+            result["completions"].append({"tokens": tokens, "text": choice.get("text", "")})
+    result["returncode"] = server.proc.returncode
     result["log"] = log_path.read_text(errors="replace")
     return result
 

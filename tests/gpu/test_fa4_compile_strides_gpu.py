@@ -25,14 +25,11 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from gpu.serving import free_port, require_gpu
+from gpu.serving import require_gpu, running_server
 from vllm_mla_fixes.fixes.fa4_compile_strides import INFO
 
 MODEL = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v3_mla"
@@ -143,38 +140,20 @@ def test_bench_serve_random_8192_with_plugin(sm100, tmp_path, tmp_path_factory):
     model.mkdir()
     (model / "config.json").write_text((MODEL / "config.json").read_text())
     write_word_tokenizer(model)
-    port = free_port()
     env = _env(VLLM_PLUGINS=None, VLLM_MLA_FIXES="all")
     serve_log = tmp_path / "serve.log"
-    serve = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-             "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
-             "--dtype", "bfloat16", "--max-model-len", "10240", "--max-num-batched-tokens", "8192",
-             "--max-num-seqs", "16", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
-             "--attention-config", json.dumps({"mla_prefill_backend": "FLASH_ATTN"})]
-    bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-             "--model", str(model), "--tokenizer", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--dataset-name", "random", "--random-input-len", "8192", "--random-output-len", "1024",
-             "--num-prompts", "160", "--max-concurrency", "16",
-             "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
-    with open(serve_log, "w") as log:
-        server = subprocess.Popen(serve, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline, healthy = time.monotonic() + 900, False
-            while not healthy and time.monotonic() < deadline and server.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                        healthy = r.status == 200
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    time.sleep(2)
-            assert healthy, serve_log.read_text(errors="replace")[-6000:]
-            proc = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+    serve_args = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "10240",
+                  "--max-num-batched-tokens", "8192", "--max-num-seqs", "16",
+                  "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                  "--attention-config", json.dumps({"mla_prefill_backend": "FLASH_ATTN"})]
+    with running_server(model, serve_args, env, serve_log) as server:
+        assert server.healthy, serve_log.read_text(errors="replace")[-6000:]
+        bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+                 "--model", str(model), "--tokenizer", str(model), "--host", "127.0.0.1",
+                 "--port", str(server.port), "--dataset-name", "random", "--random-input-len", "8192",
+                 "--random-output-len", "1024", "--num-prompts", "160", "--max-concurrency", "16",
+                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+        proc = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
     server_text = serve_log.read_text(errors="replace")
     result = json.loads((tmp_path / "bench.json").read_text()) if (tmp_path / "bench.json").exists() else {}
     (_results_dir(tmp_path_factory) / "fa4_bench_serve_with_plugin.json").write_text(json.dumps({
