@@ -75,6 +75,15 @@ def test_gate_applies_on_affected_release_without_importing_cutlass(tmp_path):
     assert gate["reverted"] == {"cache_restored": True, "target_restored": True}
 
 
+@pytest.mark.vllm_release("0.23.0")
+def test_gate_not_needed_on_0_23_0(tmp_path):
+    """Before the compile-only API: the range excludes it, and its code agrees."""
+    gate = run_harness(tmp_path, "--gate", timeout=600)
+    assert gate["admitted"] is False and gate["status"] == "not-needed"
+    assert gate["functional_probe"]["needed"] is False
+    assert "no compile-only tensor specs" in gate["functional_probe"]["reason"]
+
+
 @pytest.mark.vllm_release("0.24.0")
 def test_gate_not_needed_on_0_24_0(tmp_path):
     gate = run_harness(tmp_path, "--gate", timeout=600)
