@@ -144,13 +144,14 @@ def test_fingerprint_mismatch_skips_with_one_warning_and_leaves_vllm_untouched(
 
 
 @pytest.mark.vllm_release("0.25.1")
-def test_source_fingerprint_of_a_real_function():
-    from vllm.v1.kv_cache_interface import get_kv_quant_mode
-
-    found = patching.source_fingerprint(get_kv_quant_mode)
-    patching.require_fingerprint(get_kv_quant_mode, {found: "0.25.1"}, "get_kv_quant_mode")
+def test_fingerprint_of_a_real_definition_read_without_importing_it():
+    module, name = "vllm.v1.worker.gpu.attn_utils", "_reshape_attention_kv_cache"
+    found = patching.definition_fingerprint(module, name)
+    patching.require_fingerprint(module, name, {found: "0.25.1"})
     with pytest.raises(TargetMismatch, match="not one of the reviewed versions"):
-        patching.require_fingerprint(get_kv_quant_mode, {"0" * 16: "0.25.1"}, "get_kv_quant_mode")
+        patching.require_fingerprint(module, name, {"0" * 16: "0.25.1"})
+    with pytest.raises(TargetMismatch, match="does not exist"):
+        patching.definition_fingerprint(module, "no_such_function")
 
 
 @pytest.mark.vllm_release("0.25.1")

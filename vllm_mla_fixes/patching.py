@@ -17,15 +17,17 @@ exception leaves vLLM as it was (every replacement made so far is reverted).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib.abc
 import importlib.util
-import inspect
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -89,26 +91,57 @@ def release_admitted(version: str, specifier: str) -> bool:
     return SpecifierSet(specifier, prereleases=True).contains(parsed, prereleases=True)
 
 
-def source_fingerprint(obj: Any) -> str:
-    """A short hash of ``obj``'s source, indentation-normalised."""
-    source = textwrap.dedent(inspect.getsource(obj))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+@functools.lru_cache(maxsize=None)
+def vllm_source(module_name: str) -> tuple[str, ast.Module]:
+    """Text and syntax tree of a vLLM module, read from the installed files
+    without importing it or its parent packages (whose ``__init__`` can be
+    heavy, or initialise CUDA)."""
+    top, *parts = module_name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        raise CannotProbe(f"{top} is not importable here")
+    for root in spec.submodule_search_locations:
+        base = Path(root, *parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                text = candidate.read_text(encoding="utf-8")
+                return text, ast.parse(text, filename=str(candidate))
+    raise TargetMismatch(f"{module_name} has no Python source")
 
 
-def require_fingerprint(obj: Any, known: dict[str, str], what: str) -> None:
-    """Raise :class:`TargetMismatch` unless ``obj``'s source is one of ``known``.
+def find_definition(tree: ast.AST, qualname: str) -> ast.AST | None:
+    """The class or function ``qualname`` ("Class.method", "function") in ``tree``."""
+    scope = tree
+    for part in qualname.split("."):
+        scope = next((node for node in ast.iter_child_nodes(scope)
+                      if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.name == part), None)
+        if scope is None:
+            return None
+    return scope
 
-    ``known`` maps fingerprints to the releases they were taken from.
-    """
-    try:
-        found = source_fingerprint(obj)
-    except (OSError, TypeError) as exc:
-        raise TargetMismatch(f"source of {what} unavailable ({exc})") from exc
+
+def definition_source(module_name: str, qualname: str) -> str:
+    text, tree = vllm_source(module_name)
+    node = find_definition(tree, qualname)
+    if node is None:
+        raise TargetMismatch(f"{module_name}.{qualname} does not exist")
+    return textwrap.dedent(ast.get_source_segment(text, node, padded=True))
+
+
+def definition_fingerprint(module_name: str, qualname: str) -> str:
+    """sha256[:16] of a definition's dedented source, read without importing it."""
+    return hashlib.sha256(definition_source(module_name, qualname).encode()).hexdigest()[:16]
+
+
+def require_fingerprint(module_name: str, qualname: str, known: dict[str, str]) -> None:
+    """Raise :class:`TargetMismatch` unless the definition is one of ``known``
+    (fingerprint -> the releases it was reviewed in)."""
+    found = definition_fingerprint(module_name, qualname)
     if found not in known:
         raise TargetMismatch(
-            f"{what} has fingerprint {found}, not one of the reviewed versions "
-            f"({', '.join(sorted(set(known.values())))})"
-        )
+            f"{module_name}.{qualname} has fingerprint {found}, not one of the reviewed "
+            f"versions ({', '.join(sorted(set(known.values()))) or 'none'})")
 
 
 class Patch:

@@ -51,14 +51,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import hashlib
-import importlib.util
 import sys
-import textwrap
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
+from vllm_mla_fixes import patching
 from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 
 INFO = FixInfo(
@@ -119,68 +116,16 @@ class PageGeometryError(ValueError):
 
 # --------------------------------------------------------------------------- gate
 
-def _vllm_source_root() -> Path:
-    """vLLM's package folder, found without importing vLLM's submodules."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise CannotProbe("vLLM is not importable here")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _module_path(module_name: str) -> Path:
-    parts = module_name.split(".")
-    if parts[0] != "vllm":
-        raise ValueError(module_name)
-    return _vllm_source_root().joinpath(*parts[1:]).with_suffix(".py")
-
-
-def _find_definition(tree: ast.Module, qualname: str) -> ast.AST | None:
-    scope: ast.AST = tree
-    for part in qualname.split("."):
-        scope = next((node for node in ast.iter_child_nodes(scope)
-                      if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.name == part), None)
-        if scope is None:
-            return None
-    return scope
-
-
-@functools.lru_cache(maxsize=None)
-def _parsed(module_name: str) -> tuple[str, ast.Module]:
-    path = _module_path(module_name)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TargetMismatch(f"{module_name} has no readable source ({exc})") from exc
-    return text, ast.parse(text, filename=str(path))
-
-
-def definition_source(module_name: str, qualname: str) -> str:
-    text, tree = _parsed(module_name)
-    node = _find_definition(tree, qualname)
-    if node is None:
-        raise TargetMismatch(f"{module_name}.{qualname} does not exist")
-    segment = ast.get_source_segment(text, node, padded=True)
-    if segment is None:
-        raise TargetMismatch(f"{module_name}.{qualname}: source unavailable")
-    return textwrap.dedent(segment)
-
-
-def definition_fingerprint(module_name: str, qualname: str) -> str:
-    """sha256[:16] of a definition's dedented source, read without importing it."""
-    return hashlib.sha256(definition_source(module_name, qualname).encode()).hexdigest()[:16]
-
-
 def fingerprints() -> dict[tuple[str, str], str]:
-    return {target: definition_fingerprint(*target) for target in REVIEWED}
+    return {target: patching.definition_fingerprint(*target) for target in REVIEWED}
 
 
 def _check_swa_call_site() -> None:
     """``DeepseekV4Attention.__init__`` builds its SWA cache through the module
     name ``DeepseekV4SWACache`` with ``block_size=32`` -- the call the fix
     redirects -- exactly once."""
-    _, tree = _parsed(ATTENTION_MODULE)
-    init = _find_definition(tree, "DeepseekV4Attention.__init__")
+    _, tree = patching.vllm_source(ATTENTION_MODULE)
+    init = patching.find_definition(tree, "DeepseekV4Attention.__init__")
     if init is None:
         raise TargetMismatch("DeepseekV4Attention.__init__ does not exist")
     calls = [node for node in ast.walk(init) if isinstance(node, ast.Call)
@@ -231,13 +176,8 @@ def probe(capability: tuple[int, int] | None = None) -> str | None:
     if major != 12:
         return (f"SM{major}{minor}: the page geometry is wrong only on SM12x; "
                 "this device keeps vLLM's block sizes")
-    found = fingerprints()
-    for target, known in REVIEWED.items():
-        if found[target] not in known:
-            module, qualname = target
-            raise TargetMismatch(
-                f"{module}.{qualname} has fingerprint {found[target]}, not one of the reviewed "
-                f"versions ({', '.join(sorted(set(known.values()))) or 'none'})")
+    for (module, qualname), known in REVIEWED.items():
+        patching.require_fingerprint(module, qualname, known)
     _check_swa_call_site()
     return None
 

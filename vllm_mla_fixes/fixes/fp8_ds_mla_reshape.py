@@ -38,13 +38,11 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import inspect
 import math
 import sys
-from pathlib import Path
 
-from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch
+from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch, find_definition, vllm_source
 
 INFO = FixInfo(
     name="fp8-ds-mla-reshape",
@@ -80,36 +78,13 @@ class KVCacheLayoutMismatch(ValueError):
     """Bytes allocated for a layer's KV cache do not fit the shape asked for."""
 
 
-def _module_ast(module_name: str) -> ast.Module:
-    """Parse a vLLM module's source without importing it or its parent packages
-    (``find_spec`` of a submodule would run the parents' heavy ``__init__``)."""
-    top, *parts = module_name.split(".")
-    spec = importlib.util.find_spec(top)
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    for root in roots:
-        base = Path(root, *parts)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return ast.parse(candidate.read_text(encoding="utf-8"), filename=str(candidate))
-    raise TargetMismatch(f"{module_name} has no Python source")
-
-
-def _find_def(tree: ast.AST, class_name: str | None, func_name: str) -> ast.FunctionDef | None:
-    scope = tree
-    if class_name is not None:
-        scope = next((n for n in ast.walk(tree)
-                      if isinstance(n, ast.ClassDef) and n.name == class_name), None)
-        if scope is None:
-            return None
-    for node in ast.iter_child_nodes(scope):
-        if isinstance(node, ast.FunctionDef) and node.name == func_name:
-            return node
-    return None
+def _definition(module_name: str, qualname: str) -> ast.AST | None:
+    return find_definition(vllm_source(module_name)[1], qualname)
 
 
 def producer_sets_quant_mode() -> bool:
     """Whether ``MLAAttention.get_kv_cache_spec`` passes ``kv_quant_mode`` itself."""
-    method = _find_def(_module_ast(PRODUCER_MODULE), "MLAAttention", "get_kv_cache_spec")
+    method = _definition(PRODUCER_MODULE, "MLAAttention.get_kv_cache_spec")
     if method is None:
         raise TargetMismatch("MLAAttention.get_kv_cache_spec not found")
     spec_calls = [n for n in ast.walk(method) if isinstance(n, ast.Call)
@@ -123,8 +98,8 @@ def reshape_reads_quant_mode() -> bool:
     """Whether a model runner picks the view's layout from ``kv_quant_mode``
     (``NONE`` -> the unquantised ``"auto"`` shape), the consumer of the bug."""
     consumers = (
-        _find_def(_module_ast(RUNNER_MODULE), "GPUModelRunner", "_reshape_kv_cache_tensors"),
-        _find_def(_module_ast(RESHAPE_MODULE), None, "_reshape_kv_cache"),
+        _definition(RUNNER_MODULE, "GPUModelRunner._reshape_kv_cache_tensors"),
+        _definition(RESHAPE_MODULE, "_reshape_kv_cache"),
     )
     return any(
         isinstance(node, ast.Attribute) and node.attr == "NONE"
@@ -152,7 +127,7 @@ def probe() -> str | None:
         return "MLAAttention.get_kv_cache_spec passes kv_quant_mode (upstream #48379 present)"
     if not reshape_reads_quant_mode():
         return "the KV-cache reshape takes its layout from the cache dtype, not kv_quant_mode"
-    reshape = _find_def(_module_ast(RESHAPE_MODULE), None, RESHAPE_FUNCTION)
+    reshape = _definition(RESHAPE_MODULE, RESHAPE_FUNCTION)
     if reshape is None:
         return f"{RESHAPE_MODULE}.{RESHAPE_FUNCTION} does not exist: views come from the spec"
     params = tuple(a.arg for a in reshape.args.args)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 
 TINY_DSV41 = Path(__file__).resolve().parent.parent / "models" / "tiny_deepseek_v41" / "config.json"
@@ -328,7 +329,7 @@ def sm120_paged_mqa_page_sizes() -> tuple[int, ...]:
     """The SM120 branch of vLLM's ``get_paged_mqa_page_sizes`` (the page sizes
     DeepGEMM's paged-MQA logits kernels take), read from its source because the
     branch is chosen by the device."""
-    source = fix.definition_source("vllm.utils.deep_gemm", "get_paged_mqa_page_sizes")
+    source = patching.definition_source("vllm.utils.deep_gemm", "get_paged_mqa_page_sizes")
     body = ast.parse(source).body[0]
     returns = [node.value for node in ast.walk(body) if isinstance(node, ast.Return)]
     if len(returns) != 1 or not isinstance(returns[0], ast.IfExp):
