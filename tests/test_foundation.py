@@ -101,6 +101,29 @@ patch.revert()
     assert "SEEN ['vllm.v1.worker.gpu.attn_utils']" in proc.stdout
 
 
+@pytest.mark.vllm_release("0.25.1")
+def test_failed_deferred_patch_reverts_the_whole_fix_and_vllm_still_imports():
+    code = """
+import sys
+from vllm.v1 import kv_cache_interface as kvi
+from vllm_mla_fixes.patching import Patch
+original = kvi.MLAAttentionSpec.__dict__["__post_init__"]
+patch = Patch()
+patch.replace(kvi.MLAAttentionSpec, "__post_init__", lambda self: original(self))
+def broken(module):
+    raise RuntimeError("target changed")
+patch.when_imported("vllm.v1.worker.gpu.attn_utils", broken)
+import vllm.v1.worker.gpu.attn_utils  # vLLM's own import must not fail
+print("RESTORED", kvi.MLAAttentionSpec.__dict__["__post_init__"] is original)
+print("FAILED", patch.failed)
+"""
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESTORED True" in proc.stdout
+    assert ("FAILED patching vllm.v1.worker.gpu.attn_utils failed: RuntimeError: target changed"
+            in proc.stdout)
+
+
 VERSIONS = ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.32.0", "0.33.0",
             "0.25.2rc1.dev1133+g1234abc", "0.23.1rc1.dev1133+g1234abc", "not-a-version"]
 # The release range only admits a build to probing; the probe of the real code

@@ -14,17 +14,13 @@ import threading
 from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
 from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, run_fix
 
-__all__ = ["register", "status", "revert_all", "selected_fixes", "UnknownFixName"]
+__all__ = ["register", "status", "revert_all", "selected_fixes"]
 
 ENV_VAR = "VLLM_MLA_FIXES"
 __version__ = "0.1.0"
 
 _lock = threading.Lock()
 _results: dict[str, AppliedFix] = {}
-
-
-class UnknownFixName(ValueError):
-    pass
 
 
 def _logger() -> logging.Logger:
@@ -103,11 +99,16 @@ def _register() -> None:
 def status() -> list[FixStatus]:
     """One record per known fix, in order; ``not evaluated`` before :func:`register` ran."""
     with _lock:
-        return [
-            _results[m.INFO.name].status if m.INFO.name in _results
-            else FixStatus(m.INFO.name, State.SKIPPED, "not evaluated: the plugin has not run in this process")
-            for m in ALL_FIXES
-        ]
+        return [_status_of(m.INFO.name) for m in ALL_FIXES]
+
+
+def _status_of(name: str) -> FixStatus:
+    result = _results.get(name)
+    if result is None:
+        return FixStatus(name, State.SKIPPED, "not evaluated: the plugin has not run in this process")
+    if result.patch is not None and result.patch.failed:
+        return FixStatus(name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was")
+    return result.status
 
 
 def revert_all() -> None:

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import importlib.abc
 import importlib.util
+import logging
 import sys
 import textwrap
 from collections.abc import Callable
@@ -149,6 +150,7 @@ class Patch:
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        self.failed: str | None = None  # why a deferred step failed (the patch is then reverted)
 
     def replace(self, owner: Any, attr: str, new: Any) -> Any:
         """Set ``owner.attr = new`` and return the previous value."""
@@ -174,22 +176,30 @@ class Patch:
     def when_imported(self, module_name: str, callback: Callable[[ModuleType], None]) -> None:
         """Run ``callback(module)`` now if ``module_name`` is imported, else
         right after vLLM imports it -- so a fix on a heavy module costs
-        nothing at plugin load.  ``callback`` must not raise."""
+        nothing at plugin load.  If a deferred callback raises, vLLM's import
+        still succeeds: the whole patch is reverted (half a fix is worse than
+        none), ``failed`` says why, and one warning is logged."""
         module = sys.modules.get(module_name)
         if module is not None:
-            callback(module)
+            callback(module)  # raising here fails apply(), which run_fix reverts
             return
-        hook = _AfterImport(module_name, callback)
+
+        def callback_or_revert(imported: ModuleType) -> None:
+            try:
+                callback(imported)
+            except Exception as exc:
+                self.revert()
+                self.failed = f"patching {module_name} failed: {type(exc).__name__}: {exc}"
+                logging.getLogger("vllm.mla_fixes").warning(
+                    "vllm-mla-fixes: %s; the fix is reverted and vLLM left as it was", self.failed)
+
+        hook = _AfterImport(module_name, callback_or_revert)
         sys.meta_path.insert(0, hook)
         self._undo.append(hook.remove)
 
     def revert(self) -> None:
         while self._undo:
             self._undo.pop()()
-
-    @property
-    def empty(self) -> bool:
-        return not self._undo
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -116,10 +116,6 @@ class PageGeometryError(ValueError):
 
 # --------------------------------------------------------------------------- gate
 
-def fingerprints() -> dict[tuple[str, str], str]:
-    return {target: patching.definition_fingerprint(*target) for target in REVIEWED}
-
-
 def _check_swa_call_site() -> None:
     """``DeepseekV4Attention.__init__`` builds its SWA cache through the module
     name ``DeepseekV4SWACache`` with ``block_size=32`` -- the call the fix
@@ -348,10 +344,3 @@ def for_capability(capability: tuple[int, int]):
     import types
 
     return types.SimpleNamespace(INFO=INFO, probe=functools.partial(probe, capability), apply=apply)
-
-
-def verify_steps(report: Callable[[str], None] = print) -> bool:
-    """On a vLLM 0.32/0.33 CPU install: print the upstream errors, then the fixed geometry."""
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry
-
-    return dsv41_sm120_geometry.verify(report)

@@ -345,16 +345,6 @@ def patch_now(patch: Patch) -> None:
         raise RuntimeError(f"after patching, {TARGET} still freezes the strides of dims {still_frozen}")
 
 
-def verify_steps(report=print) -> bool:
-    """CPU reproduce-then-fix on this install (``vllm-mla-fixes verify``): the
-    report's exact error from vLLM's own warm-up kernel, then the same calls
-    and a 75-composition sweep passing with the fix.  About 1-2 min of CuTe
-    compiling; needs vLLM 0.25.x with its pinned nvidia-cutlass-dsl."""
-    from vllm_mla_fixes.reproductions.fa4_compile_strides import verify
-
-    return verify(report)
-
-
 # -- doctor ------------------------------------------------------------------------
 
 CUTLASS_PIN_AFFECTED = "4.5.2"      # what 0.25.0/0.25.1 pin
