@@ -18,6 +18,7 @@ exception leaves vLLM as it was (every replacement made so far is reverted).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -92,16 +93,38 @@ def release_admitted(version: str, specifier: str) -> bool:
     return SpecifierSet(specifier, prereleases=True).contains(parsed, prereleases=True)
 
 
+_source_root: Path | None = None  # set by sources_from(); None: the installed vLLM
+
+
+@contextlib.contextmanager
+def sources_from(root: Path):
+    """Inside this block, :func:`vllm_source` (and everything built on it)
+    reads the packages under ``root`` -- e.g. a vLLM wheel's unpacked
+    ``vllm/`` -- instead of the installed ones."""
+    global _source_root
+    previous, _source_root = _source_root, Path(root)
+    vllm_source.cache_clear()
+    try:
+        yield
+    finally:
+        _source_root = previous
+        vllm_source.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def vllm_source(module_name: str) -> tuple[str, ast.Module]:
     """Text and syntax tree of a vLLM module, read from the installed files
-    without importing it or its parent packages (whose ``__init__`` can be
-    heavy, or initialise CUDA)."""
+    (or from :func:`sources_from`'s folder) without importing it or its parent
+    packages (whose ``__init__`` can be heavy, or initialise CUDA)."""
     top, *parts = module_name.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        raise CannotProbe(f"{top} is not importable here")
-    for root in spec.submodule_search_locations:
+    if _source_root is not None:
+        locations = [str(_source_root / top)]
+    else:
+        spec = importlib.util.find_spec(top)
+        if spec is None or not spec.submodule_search_locations:
+            raise CannotProbe(f"{top} is not importable here")
+        locations = spec.submodule_search_locations
+    for root in locations:
         base = Path(root, *parts)
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
