@@ -26,13 +26,38 @@ Why it breaks
     table, so writes land in other layers' pages: garbage, not a crash.
 
 How we fix it
-    On SM12x only, each cache gets the block size that makes its page hold 64
-    states -- 64 x compress_ratio tokens (ratio-1 caches 64, ratio-2 caches 128)
-    and a 64-token sliding-window cache -- declared through the specs, so the
-    hybrid KV-cache manager gives each ratio its own block size and every
-    writer and reader keeps using one block table per cache (no kernel-block
-    splitting).  Both backends declare the matching kernel block size per spec
-    (tokens_per_state 1 -> [64], 2 -> [128]; no spec -> upstream's answer).
+    On SM12x only, every page FlashInfer or the indexer reads holds 64 states,
+    the sliding-window cache gets 64-token blocks, and both backends declare
+    the kernel block size per spec (tokens_per_state 1 -> [64], 2 -> [128]; no
+    spec -> upstream's answer).  Two geometries deliver that; which one is in
+    force is decided per engine configuration (:func:`geometry_decision`),
+    logged once, and reported by ``status``:
+
+    interleaved-split (default)
+        Every compressed-KV and indexer-K cache keeps 128-token manager blocks
+        in the one packed group (ratio-2 pages: 64 states, not split).  The
+        ratio-1 compressed/indexer pair (128 states per block) is split into
+        64-state kernel pages that interleave: each unit is one compressed
+        kernel page followed by one indexer kernel page (46,080 B for the V4
+        584-B record; derived from the real pair of page sizes), the block
+        stride is a multiple of the unit, and each ratio-1 cache is bound as a
+        strided view with the unit as page stride.  The ratio-1 writers get
+        kernel-block slots: when an attention group hands its builders the
+        kernel block table, it also hands them ``ktable[req, pos // 64] * 64 +
+        pos % 64``, computed elementwise from the manager slot into persistent
+        per-builder buffers (no allocation or host sync per step; stable
+        addresses for CUDA graphs).  vLLM's planner then holds 1.118x the
+        tokens of upstream's --block-size 128 layout at 8k and 1.042x at 128k.
+    per-ratio (fallback)
+        Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
+        ratio-2 128), so the hybrid manager gives each ratio its own group and
+        no block is split (0.88x / 0.65x of upstream's capacity).  Used where
+        the split is not proven safe: speculative decoding, a KV connector or
+        KV offloading, DCP/PCP > 1, HiSparse, a KV record other than the V4
+        fp8_ds_mla one with the fp8 indexer row, a model whose ratio-1 caches
+        do not pair up, a split target whose source was not reviewed, or
+        ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``.
+
     The compressed-slot-mapping warm-up also compiles the key of the 64-state
     pages.  A start-up self-check, run when the KV-cache views are bound to the
     layers, raises a clear error naming layer, compress ratio and page size if
@@ -41,9 +66,9 @@ How we fix it
     both start.  SM90/SM100 and every other platform see no change.
 
 Remove when
-    vLLM chooses per-ratio block sizes on SM12x itself (the probe reports
-    not-needed once the targets change), or FlashInfer and DeepGEMM accept
-    every page the default geometry produces and vLLM's backends say so.
+    vLLM chooses 64-state pages on SM12x itself (the probe reports not-needed
+    once the targets change), or FlashInfer and DeepGEMM accept every page the
+    default geometry produces and vLLM's backends say so.
 """
 
 from __future__ import annotations
@@ -51,7 +76,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import math
+import os
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -62,12 +90,15 @@ INFO = FixInfo(
     name="dsv41-sm120-geometry",
     summary="DeepSeek-V4.1 on SM120/SM121 (FLASHINFER_MLA_SPARSE_DSV41): --block-size 64 fails "
             "'No common block size', 128 hands FlashInfer 32-token SWA pages and the indexer "
-            "128-state ratio-1 pages; fixed with per-ratio blocks so every page holds 64 states",
+            "128-state ratio-1 pages; fixed so every page holds 64 states, by default with 128-token "
+            "blocks and interleaved 64-state ratio-1 kernel pages (more KV capacity than upstream), "
+            "else per-ratio blocks",
     upstream=("vllm#59203", "vllm#56702", "vllm#56509", "vllm#57292",
               "flashinfer#5323", "flashinfer#5174", "flashinfer#5244"),
     affected=">=0.32.0.dev0,<0.34.0",
     affected_releases=("0.32.0", "0.33.0"),
     fixed_in=None,
+    newest_reviewed="0.34.0",
     hardware="SM120, SM121 (FLASHINFER_MLA_SPARSE_DSV41)",
     error="ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128]).",
     workarounds=(
@@ -82,8 +113,19 @@ PAGE_ROWS = 64
 """States per page that FlashInfer's SM120 sparse-MLA kernels (primary page) and
 SM120's paged-MQA indexer kernels take."""
 
+SPLIT_MANAGER_BLOCK = 2 * PAGE_ROWS
+"""Tokens per manager block of every compressed/indexer cache under the split:
+64 states at ratio 2, two 64-state kernel pages at ratio 1."""
+
 UPSTREAM_SWA_BLOCK = 32
 FLASHINFER_BACKEND = "FLASHINFER_MLA_SPARSE_DSV41"
+INDEXER_BACKEND = "DEEPSEEK_V41_INDEXER"
+V4_RECORD_BYTES = 584  # the fp8_ds_mla V4 record SM120 uses (the split was proven on it)
+FP8_INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
+
+SPLIT = "interleaved-split"
+PER_RATIO = "per-ratio"
+GEOMETRY_ENV = "VLLM_MLA_FIXES_DSV41_GEOMETRY"
 
 ATTENTION_MODULE = "vllm.models.deepseek_v41.attention"
 FLASHINFER_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
@@ -91,6 +133,8 @@ INDEXER_MODULE = "vllm.v1.attention.backends.mla.indexer"
 SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
 WARMUP_MODULE = "vllm.v1.attention.backends.mla.compressor_utils"
 WORKER_UTILS_MODULE = "vllm.v1.worker.utils"
+SPARSE_MLA_MODULE = "vllm.models.deepseek_v41.sparse_mla"
+COMPRESSOR_MODULE = "vllm.models.deepseek_v41.compressor"
 
 # Reviewed code, by (module, qualified name): fingerprint -> releases.  The
 # fix wraps or relies on exactly these definitions; anything else is a
@@ -106,12 +150,37 @@ REVIEWED: dict[tuple[str, str], dict[str, str]] = {
     (SWA_MODULE, "DeepseekV4SWACache.get_kv_cache_spec"): {"f513952670f9bf38": "0.32.0", "753bd30916d94e25": "0.33.0"},
     (WARMUP_MODULE, "CompressedSlotMappingKernel.get_warmup_keys"): {"216e302a557266f9": "0.32.0", "776a353d46e2e7b3": "0.33.0"},
     (WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): {"999feba03e12db36": "0.32.0, 0.33.0"},
+    # The interleaved split replaces or relies on these as well (SPLIT_TARGETS).
+    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"): {"afea4079dd113fc9": "0.32.0, 0.33.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"): {"840b1d99ab0f763f": "0.32.0, 0.33.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"): {"cc9a2dd5a6626db7": "0.32.0, 0.33.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"): {"b295cd3635ff4ac7": "0.32.0, 0.33.0"},
+    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"): {"eb3a874718c6b296": "0.32.0", "2cda0476ce889793": "0.33.0"},
+    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"): {"b0d2cbc0ce1ba697": "0.32.0", "618f410d0514a898": "0.33.0"},
+    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"): {"15beaa9c9e75793c": "0.32.0, 0.33.0"},
 }
+
+SPLIT_TARGETS = frozenset({
+    # replaced: the ratio-1 kernel views, and the kernel slots handed to builders
+    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
+    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
+    # relied on: kernel block j of block b is b * kernel_block_stride + j; the
+    # builders' kernel block size; ratio-1 writers take the builder's
+    # ``cm.slot_mapping`` (sparse-MLA and indexer builders, compressor insert)
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"),
+    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"),
+    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"),
+    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"),
+    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"),
+})
+"""The definitions only the interleaved split needs: where one of them is not
+the reviewed code, the fix still applies, with the per-ratio geometry."""
 
 
 class PageGeometryError(ValueError):
     """A DeepSeek-V4.1 cache reaches FlashInfer or the indexer with pages of
-    the wrong size (raised by the start-up self-check)."""
+    the wrong size, or the packed block cannot hold the interleaved pages
+    (raised at start-up, before any request)."""
 
 
 # --------------------------------------------------------------------------- gate
@@ -172,13 +241,177 @@ def probe(capability: tuple[int, int] | None = None) -> str | None:
     if major != 12:
         return (f"SM{major}{minor}: the page geometry is wrong only on SM12x; "
                 "this device keeps vLLM's block sizes")
+    return source_screen()
+
+
+def source_screen() -> None:
+    """The probe's source checks (no import): every reviewed definition of
+    the per-ratio geometry and the SWA call site are the reviewed code, else
+    :class:`TargetMismatch`.  The split's own targets are screened separately
+    (:func:`split_unreviewed`): a mismatch there only selects the fallback."""
     for (module, qualname), known in REVIEWED.items():
-        patching.require_fingerprint(module, qualname, known)
+        if (module, qualname) not in SPLIT_TARGETS:
+            patching.require_fingerprint(module, qualname, known)
     _check_swa_call_site()
+
+
+def split_unreviewed() -> str | None:
+    """Why the interleaved split cannot be used with the installed vLLM (one
+    of its targets is not the reviewed code), or None."""
+    for key in sorted(SPLIT_TARGETS):
+        try:
+            patching.require_fingerprint(*key, REVIEWED[key])
+        except (TargetMismatch, CannotProbe) as exc:
+            return f"the interleaved split is not reviewed for this vLLM ({exc})"
     return None
 
 
-# ------------------------------------------------------------------ replacements
+# ------------------------------------------------------------ geometry decision
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    geometry: str  # SPLIT or PER_RATIO
+    reason: str
+    unit: int = 0  # bytes of one interleave unit (compressed + indexer kernel page), SPLIT only
+
+
+_SPLIT_DEFAULT = ("default on SM12x: 128-token blocks, ratio-1 compressed/indexer pages "
+                  "interleaved as 64-state kernel pages")
+_state: dict[str, Any] = {"split_unreviewed": None, "decisions": {}}
+
+
+def _config_triggers(vllm_config: Any) -> str | None:
+    """The first engine setting under which the split is not proven safe."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return ("speculative decoding is configured (draft-decode metadata updates recompute "
+                "ratio-1 slots from manager blocks)")
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        return "a KV connector is configured (connectors address manager-block pages per token)"
+    if getattr(cache, "kv_offloading_size", None):
+        return "KV offloading is configured (it moves manager-block pages per token)"
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, field, 1) or 1
+        if size > 1:
+            return f"{field} is {size} (context-parallel slot sharding is not reviewed with the split)"
+    attention = getattr(vllm_config, "attention_config", None)
+    if getattr(attention, "hisparse_config", None) is not None:
+        return "HiSparse is configured (not reviewed with the split)"
+    attention_module = sys.modules.get(ATTENTION_MODULE)
+    if attention_module is not None and attention_module._use_v41_mxfp8_kv_record():
+        return "the KV record is MXFP8 (the split is proven on the V4 fp8_ds_mla record)"
+    return None
+
+
+def _ratio1_pair_unit(vllm_config: Any) -> tuple[int, str | None]:
+    """(interleave unit in bytes, None) from the model's real ratio-1 caches,
+    or (0, why the split does not fit this model).  Reads the layers vLLM
+    registered in the static forward context; (0, None) before they exist."""
+    attention = sys.modules.get(ATTENTION_MODULE)
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    if attention is None or not context:
+        return 0, None
+    sources = [layer for layer in context.values()
+               if isinstance(layer, attention.DeepseekV4Attention) and layer.is_kv_source]
+    indexers = [layer for layer in context.values()
+                if isinstance(layer, attention.DeepseekV4IndexerCache)]
+    ratios = {int(layer.compress_ratio) for layer in [*sources, *indexers]}
+    if not ratios <= {1, 2}:
+        return 0, f"compress ratios {sorted(ratios)} (the split is reviewed for ratios 1 and 2)"
+    ratio1 = [layer for layer in sources if layer.compress_ratio == 1]
+    ratio1_index = [layer for layer in indexers if layer.compress_ratio == 1]
+    if not ratio1:
+        return 0, "no ratio-1 cache to split (the per-ratio geometry is the same)"
+    if len(ratio1) != len(ratio1_index):
+        return 0, (f"{len(ratio1)} ratio-1 compressed caches but {len(ratio1_index)} ratio-1 "
+                   "indexer caches (they interleave in pairs)")
+    pages = []
+    for layer, cls in ((ratio1[0], attention.DeepseekV4Attention),
+                       (ratio1_index[0], attention.DeepseekV4IndexerCache)):
+        spec = _ORIGINAL_PRODUCERS[cls](layer, vllm_config)
+        state_bytes = getattr(spec, "state_content_bytes", None) or spec.head_size
+        expected = V4_RECORD_BYTES if cls is attention.DeepseekV4Attention else FP8_INDEXER_ROW
+        if state_bytes != expected:
+            return 0, (f"{cls.__name__} record of {state_bytes} B (the split is proven on the "
+                       f"{V4_RECORD_BYTES}-B V4 record and the {FP8_INDEXER_ROW}-B fp8 indexer row)")
+        kernel_page = spec.copy_with_new_block_size(PAGE_ROWS).page_size_bytes
+        manager_page = spec.copy_with_new_block_size(SPLIT_MANAGER_BLOCK).page_size_bytes
+        if manager_page != 2 * kernel_page:
+            return 0, (f"{cls.__name__}: a {SPLIT_MANAGER_BLOCK}-token page ({manager_page} B) is "
+                       f"not two {PAGE_ROWS}-state pages ({kernel_page} B)")
+        pages.append(kernel_page)
+    return sum(pages), None
+
+
+def _decide(vllm_config: Any) -> Decision:
+    forced = os.environ.get(GEOMETRY_ENV, "").strip().lower()
+    if forced == PER_RATIO:
+        return Decision(PER_RATIO, f"{GEOMETRY_ENV}=per-ratio")
+    if forced not in ("", SPLIT):
+        return Decision(PER_RATIO, f"{GEOMETRY_ENV}={forced!r} is not '{PER_RATIO}' or '{SPLIT}'")
+    if _state["split_unreviewed"]:
+        return Decision(PER_RATIO, _state["split_unreviewed"])
+    trigger = _config_triggers(vllm_config)
+    if trigger:
+        return Decision(PER_RATIO, trigger)
+    unit, misfit = _ratio1_pair_unit(vllm_config)
+    if misfit:
+        return Decision(PER_RATIO, misfit)
+    return Decision(SPLIT, _SPLIT_DEFAULT, unit)
+
+
+def geometry_decision(vllm_config: Any) -> tuple[str, str]:
+    """(geometry, reason) this fix uses for ``vllm_config`` on SM12x.
+
+    ``vllm_config`` is a ``VllmConfig`` or any object with the same attribute
+    names (``speculative_config``, ``kv_transfer_config``, ``cache_config``,
+    ``parallel_config``, ``attention_config``; missing ones count as unset), so
+    ``doctor`` can ask before a server starts.  Once the model's layers are
+    registered, the ratio-1 caches' real page sizes are checked too."""
+    if _state["split_unreviewed"] is None:
+        try:
+            _state["split_unreviewed"] = split_unreviewed() or ""
+        except Exception as exc:  # vLLM not importable here: say so, choose the fallback
+            _state["split_unreviewed"] = f"cannot read vLLM's sources here: {exc}"
+    decision = _decide(vllm_config)
+    return decision.geometry, decision.reason
+
+
+def _decision_for_specs(vllm_config: Any) -> Decision:
+    decision = _decide(vllm_config)
+    key = (decision.geometry, decision.reason)
+    if key not in _state["decisions"]:
+        _state["decisions"][key] = decision
+        _logger().info("vllm-mla-fixes (%s): DeepSeek-V4.1 KV geometry %s (%s)",
+                       INFO.name, decision.geometry, decision.reason)
+    return decision
+
+
+def status_detail() -> str:
+    """What ``status`` adds to the applied reason: the geometry in force in
+    this process, or the rule when no model was loaded here."""
+    decided = list(_state["decisions"].values())
+    if decided:
+        return "; ".join(f"geometry {d.geometry} ({d.reason})" for d in decided)
+    if _state["split_unreviewed"]:
+        return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
+    return (f"geometry chosen when the model loads: {SPLIT} by default, {PER_RATIO} with "
+            "speculative decoding, a KV connector or offloading, DCP/PCP > 1, HiSparse, another "
+            f"KV record, or {GEOMETRY_ENV}=per-ratio")
+
+
+def _logger():
+    try:
+        from vllm.logger import init_logger
+    except Exception:  # pragma: no cover - vLLM broken
+        import logging
+
+        return logging.getLogger("vllm.mla_fixes")
+    return init_logger("vllm.mla_fixes")
+
+
+# ------------------------------------------------------------------ spec producers
 
 def per_ratio_spec(spec: Any) -> Any:
     """``spec`` with ``64 x tokens_per_state`` tokens per block, so that a page
@@ -193,11 +426,37 @@ def per_ratio_spec(spec: Any) -> Any:
     return dataclasses.replace(spec, block_size=block_size, page_size_padded=None)
 
 
-def _wrap_spec_producer(original: Callable) -> Callable:
+def split_spec(spec: Any, unit: int) -> Any:
+    """``spec`` with 128-token manager blocks; a ratio-1 spec also asks the
+    planner for a block stride that is a whole number of interleave units
+    (set before ``customize_attention_spec``, which fills it only when empty)."""
+    changes: dict[str, Any] = {"block_size": SPLIT_MANAGER_BLOCK, "page_size_padded": None}
+    if spec.tokens_per_state == 1:
+        current = spec.block_stride_alignment
+        if current is not None and not isinstance(current, int):
+            raise PageGeometryError(f"unexpected block_stride_alignment {current!r} on a ratio-1 spec")
+        changes["block_stride_alignment"] = math.lcm(unit, current or 1)
+    if spec.block_size == SPLIT_MANAGER_BLOCK and spec.tokens_per_state != 1:
+        return dataclasses.replace(spec, page_size_padded=None)
+    return dataclasses.replace(spec, **changes)
+
+
+_ORIGINAL_PRODUCERS: dict[type, Callable] = {}
+
+
+def _wrap_spec_producer(cls: type) -> Callable:
+    original = cls.__dict__["get_kv_cache_spec"]
+    _ORIGINAL_PRODUCERS[cls] = original
+
     @functools.wraps(original)
     def get_kv_cache_spec(self, vllm_config):
         spec = original(self, vllm_config)
-        return None if spec is None else per_ratio_spec(spec)
+        if spec is None:
+            return None
+        decision = _decision_for_specs(vllm_config)
+        if decision.geometry == SPLIT:
+            return split_spec(spec, decision.unit)
+        return per_ratio_spec(spec)
 
     get_kv_cache_spec.__wrapped_by__ = INFO.name  # type: ignore[attr-defined]
     return get_kv_cache_spec
@@ -242,6 +501,170 @@ def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
         return list(dict.fromkeys([*keys, *extra]))
 
     return get_warmup_keys
+
+
+# ----------------------------------------------------- interleaved kernel views
+
+def _is_split_ratio1(group: Any) -> bool:
+    return (group.kernel_block_size is not None
+            and getattr(group.kv_cache_spec, "tokens_per_state", None) == 1
+            and group.backend.get_name() in (FLASHINFER_BACKEND, INDEXER_BACKEND))
+
+
+_INTERLEAVED: set[tuple[str, Any]] = set()
+"""(backend class name, spec) of the attention groups bound to interleaved
+pages; copies of those groups (DBO micro-batches, decoder replay) match too."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavedCache:
+    layer: str
+    kind: str  # "compressed" or "indexer"
+    start: int  # byte offset of the cache's first kernel page in block 0
+    kernel_page: int  # bytes of one 64-state page
+
+
+def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, int, list[InterleavedCache]]:
+    """(unit, kernel pages per block stride, caches) for the ratio-1 caches of
+    ``groups``, from their manager views; raises :class:`PageGeometryError`
+    unless their manager pages fill one contiguous run of whole units."""
+    caches = []
+    for group in groups:
+        kind = "compressed" if group.backend.get_name() == FLASHINFER_BACKEND else "indexer"
+        spec = group.kv_cache_spec
+        kernel_page = spec.copy_with_new_block_size(group.kernel_block_size).page_size_bytes
+        if spec.page_size_bytes != 2 * kernel_page:
+            raise PageGeometryError(
+                f"{INFO.name}: {kind} page {spec.page_size_bytes} B is not two {kernel_page}-B "
+                "kernel pages; the interleaved split cannot bind it")
+        for name in group.layer_names:
+            view = kv_caches[name]
+            caches.append((view.storage_offset() * view.element_size(), kind, name, kernel_page,
+                           spec.page_size_bytes, view))
+    caches.sort(key=lambda c: c[0])
+    strides = {c[5].stride(0) * c[5].element_size() for c in caches}
+    storages = {c[5].untyped_storage().data_ptr() for c in caches}
+    kinds = [c[1] for c in caches]
+    compressed_pages = {c[3] for c in caches if c[1] == "compressed"}
+    indexer_pages = {c[3] for c in caches if c[1] == "indexer"}
+    problem = None
+    if len(strides) != 1 or len(storages) != 1:
+        problem = "the ratio-1 caches do not share one packed allocation"
+    elif kinds.count("compressed") != kinds.count("indexer") or len(compressed_pages) != 1 \
+            or len(indexer_pages) != 1:
+        problem = f"ratio-1 caches {kinds} do not pair up"
+    elif any(a[0] + a[4] != b[0] for a, b in zip(caches, caches[1:])):
+        problem = "the ratio-1 caches' pages are not adjacent in the packed block"
+    if problem is None:
+        unit = compressed_pages.pop() + indexer_pages.pop()
+        block_stride = strides.pop()
+        if block_stride % unit:
+            problem = f"the block stride {block_stride} B is not a multiple of the {unit}-B unit"
+    if problem is not None:
+        raise PageGeometryError(
+            f"vllm-mla-fixes ({INFO.name}): cannot interleave the ratio-1 compressed/indexer "
+            f"pages: {problem}.  Set {GEOMETRY_ENV}=per-ratio and report this with "
+            "`vllm-mla-fixes doctor`.")
+    region = caches[0][0]
+    plan, pair = [], {"compressed": 0, "indexer": 0}
+    for _, kind, name, kernel_page, _, _ in caches:
+        first = region + 2 * unit * pair[kind]
+        pair[kind] += 1
+        plan.append(InterleavedCache(name, kind, first if kind == "compressed"
+                                     else first + (unit - kernel_page), kernel_page))
+    return unit, block_stride // unit, plan
+
+
+def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str, Any]:
+    import torch
+
+    unit, stride_pages, plan = interleave_plan(kv_caches, groups)
+    views = {}
+    for cache in plan:
+        manager = kv_caches[cache.layer]
+        size = manager.element_size()
+        rows = PAGE_ROWS
+        num_pages = (manager.shape[0] - 1) * stride_pages + 2
+        views[cache.layer] = torch.as_strided(
+            manager, (num_pages, *manager.shape[1:-2], rows, manager.shape[-1]),
+            (unit // size, *manager.stride()[1:]), cache.start // size)
+    for group in groups:
+        group.kernel_block_stride = stride_pages
+        _INTERLEAVED.add((group.backend.full_cls_name(), group.kv_cache_spec))
+        for builder in group.metadata_builders:
+            _slot_buffers(builder)
+    return views
+
+
+def _with_interleaved_ratio1_views(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def map_kv_caches_to_kernel_blocks(kv_caches, attn_groups):
+        attn_groups = list(attn_groups)
+        split = [group for group in attn_groups if _is_split_ratio1(group)]
+        rest = [group for group in attn_groups if not any(group is s for s in split)]
+        mapped = original(kv_caches, rest)
+        present = [group for group in split if any(n in kv_caches for n in group.layer_names)]
+        if present:
+            mapped.update(_interleaved_views(kv_caches, present))
+        return mapped
+
+    return map_kv_caches_to_kernel_blocks
+
+
+# ------------------------------------------------------------ ratio-1 writer slots
+
+_SLOT_BUFFERS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _slot_buffers(builder: Any) -> tuple:
+    """Persistent (slots, block index, pad mask) buffers of one metadata
+    builder, sized for the scheduler's token budget: allocated once (when the
+    views are bound, or on a builder's first build), reused every step."""
+    buffers = _SLOT_BUFFERS.get(builder)
+    if buffers is None:
+        import torch
+
+        tokens = builder.vllm_config.scheduler_config.max_num_batched_tokens
+        device = builder.device
+        buffers = (torch.empty(tokens, dtype=torch.int64, device=device),
+                   torch.empty(tokens, dtype=torch.int64, device=device),
+                   torch.empty(tokens, dtype=torch.bool, device=device))
+        _SLOT_BUFFERS[builder] = buffers
+    return buffers
+
+
+def kernel_slots(group: Any, slot_mapping: Any, ubatch_idx: int = 0) -> Any:
+    """Manager-block slots -> kernel-block slots of an interleaved group:
+    ``ktable[req, pos // k] * k + pos % k`` = ``(s // B) * S * k + s % B``,
+    pads (negative slots) kept; written into the builder's persistent buffer."""
+    import torch
+
+    slots, blocks, pads = _slot_buffers(group.get_metadata_builder(ubatch_idx))
+    n = slot_mapping.shape[0]
+    if slot_mapping.dim() != 1 or n > slots.shape[0]:
+        raise PageGeometryError(
+            f"{INFO.name}: slot mapping of shape {tuple(slot_mapping.shape)} exceeds the "
+            f"{slots.shape[0]}-token buffer of the interleaved split")
+    out, block, pad = slots[:n], blocks[:n], pads[:n]
+    manager_block = group.kv_cache_spec.block_size
+    torch.lt(slot_mapping, 0, out=pad)
+    torch.div(slot_mapping, manager_block, rounding_mode="floor", out=block)
+    torch.remainder(slot_mapping, manager_block, out=out)
+    out.add_(block, alpha=group.kernel_block_stride * group.kernel_block_size)
+    return torch.where(pad, slot_mapping, out, out=out)
+
+
+def _with_kernel_slots(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _with_kernel_block_table(self, common_attn_metadata, ubatch_idx=0):
+        metadata = original(self, common_attn_metadata, ubatch_idx)
+        if (self.kernel_block_size is None
+                or (self.backend.full_cls_name(), self.kv_cache_spec) not in _INTERLEAVED):
+            return metadata
+        return dataclasses.replace(
+            metadata, slot_mapping=kernel_slots(self, metadata.slot_mapping, ubatch_idx))
+
+    return _with_kernel_block_table
 
 
 # -------------------------------------------------------------- start-up check
@@ -308,9 +731,15 @@ def _with_geometry_check(original: Callable) -> Callable:
 # ------------------------------------------------------------------------ apply
 
 def apply(patch: Patch) -> None:
+    # Screened here, where vLLM's sources are known to be readable; the split's
+    # targets are patched only when they are the reviewed code.
+    _state["split_unreviewed"] = split_unreviewed() or ""
+    _state["decisions"] = {}
+    split_reviewed = not _state["split_unreviewed"]
+
     def on_attention(module) -> None:
         for cls in (module.DeepseekV4Attention, module.DeepseekV4IndexerCache):
-            patch.replace(cls, "get_kv_cache_spec", _wrap_spec_producer(cls.__dict__["get_kv_cache_spec"]))
+            patch.replace(cls, "get_kv_cache_spec", _wrap_spec_producer(cls))
         patch.replace(module, "DeepseekV4SWACache", _swa_cache_with_64_token_blocks(module.DeepseekV4SWACache))
 
     def on_flashinfer(module) -> None:
@@ -330,6 +759,12 @@ def apply(patch: Patch) -> None:
     def on_worker_utils(module) -> None:
         patch.replace_function(module, "bind_kv_cache_to_layers",
                                _with_geometry_check(module.bind_kv_cache_to_layers))
+        if split_reviewed:
+            patch.replace_function(module, "map_kv_caches_to_kernel_blocks",
+                                   _with_interleaved_ratio1_views(module.map_kv_caches_to_kernel_blocks))
+            group = module.AttentionGroup
+            patch.replace(group, "_with_kernel_block_table",
+                          _with_kernel_slots(group.__dict__["_with_kernel_block_table"]))
 
     patch.when_imported(ATTENTION_MODULE, on_attention)
     patch.when_imported(FLASHINFER_MODULE, on_flashinfer)
@@ -343,4 +778,5 @@ def for_capability(capability: tuple[int, int]):
     :func:`vllm_mla_fixes.patching.run_fix` in tests and ``verify`` on CPU."""
     import types
 
-    return types.SimpleNamespace(INFO=INFO, probe=functools.partial(probe, capability), apply=apply)
+    return types.SimpleNamespace(INFO=INFO, probe=functools.partial(probe, capability), apply=apply,
+                                 status_detail=status_detail)

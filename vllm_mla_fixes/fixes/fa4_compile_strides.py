@@ -74,6 +74,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from vllm_mla_fixes import patching
 from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 
 INFO = FixInfo(
@@ -85,6 +86,7 @@ INFO = FixInfo(
     affected=">=0.23.1.dev0,<0.26.0",
     affected_releases=("0.25.0", "0.25.1"),
     fixed_in="0.26.0",
+    newest_reviewed="0.26.0",
     hardware="SM100/SM103 (B200, GB200, B300) with FA4 MLA prefill; H100/H200 use FA3 and are immune",
     error="ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(mQ: "
           "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",
@@ -112,6 +114,16 @@ SPEC_CLASS = "_CompileOnlyTensorSpec"
 # an unpatched process exported under the plain fingerprint are never loaded.
 DISK_NAMESPACE_SUFFIX = "-mlafixes-fa4-strides-1"
 MARK = "__vllm_mla_fixes__"
+
+# The definitions the fix wraps or builds on, by (module, qualified name):
+# fingerprint -> the releases it was reviewed in.  The functional probe decides
+# at runtime; `vllm-mla-fixes review` compares a new release with these.
+REVIEWED: dict[tuple[str, str], dict[str, str]] = {
+    (UTILS_MODULE, TARGET): {"2a98f24d58655d90": "0.25.0, 0.25.1"},
+    (INTERFACE_MODULE, SPEC_CLASS): {"9350765e16c193c4": "0.25.0, 0.25.1"},
+    (CACHE_MODULE, "JITPersistentCache"): {"de562e9f4962635a": "0.25.0, 0.25.1"},
+    (CACHE_MODULE, "JITCache"): {"2f223a2f24bddb51": "0.25.0, 0.25.1"},
+}
 
 
 def _fa4_package() -> ModuleType:
@@ -176,20 +188,13 @@ def functional_verdict() -> str | None:
     return f"{TARGET} already gives compile-only specs symbolic strides (the upstream fix is present)"
 
 
-def _source_screen() -> str | None:
-    """Without importing FA4's CuTe code: None if it has compile-only specs."""
-    package = _fa4_package()
-    folders = [os.path.join(p, "cute") for p in getattr(package, "__path__", ())]
-    source = next((os.path.join(f, "interface.py") for f in folders
-                   if os.path.isfile(os.path.join(f, "interface.py"))), None)
-    if source is None:
-        return "this vLLM build has no FA4 CuTe code (vllm_flash_attn/cute)"
+def source_screen() -> str | None:
+    """Reads FA4's CuTe interface source (no import): None if it has compile-only specs."""
     try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise TargetMismatch(f"cannot read {source}: {exc}") from exc
-    if f"class {SPEC_CLASS}" not in text:
+        _, tree = patching.vllm_source(INTERFACE_MODULE)
+    except TargetMismatch:  # the module has no source file
+        return "this vLLM build has no FA4 CuTe code (vllm_flash_attn/cute)"
+    if patching.find_definition(tree, SPEC_CLASS) is None:
         return ("this FA4 build has no compile-only tensor specs: warm-up compiles from real "
                 "tensors, whose strides are dynamic")
     return None
@@ -197,10 +202,12 @@ def _source_screen() -> str | None:
 
 def probe() -> str | None:
     """Functional probe when vLLM already imported FA4's interface; otherwise
-    the import-free screen, and the functional probe runs in the import hook."""
+    the import-free screen (where FA4's CUDA package loads), and the
+    functional probe runs in the import hook."""
     if INTERFACE_MODULE in sys.modules:
         return functional_verdict()
-    return _source_screen()
+    _fa4_package()
+    return source_screen()
 
 
 def _cute_fake_tensor_api() -> tuple[Any, Any, Any]:
@@ -352,12 +359,12 @@ CUTLASS_PIN_FIXED = "4.6.0"         # what 0.26.0 pins (see the caveat in INFO.w
 DISK_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
-def doctor_findings(env, serve) -> list:
-    """Diagnosis for ``vllm-mla-fixes doctor`` (``env``/``serve`` are doctor's
-    ``Environment``/``ServeLine``; ``serve`` may be None)."""
-    from vllm_mla_fixes import doctor
+def diagnose(env, serve) -> list:
+    """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
+    :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
+    :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import MLA_ARCHITECTURES, Finding as F
 
-    F = doctor.Finding
     name = INFO.name
     vllm_version = env.packages.get("vllm")
     cutlass = env.packages.get("nvidia-cutlass-dsl")
@@ -370,9 +377,8 @@ def doctor_findings(env, serve) -> list:
         if vllm_version and vllm_version.startswith("0.26.") and cutlass == CUTLASS_PIN_FIXED:
             findings.append(F("info", name, f"nvidia-cutlass-dsl {cutlass} (0.26.0's pin): a third-party "
                               "report (vllm#51566, unverified) says it rejects the SM100 Split-KV "
-                              "kernel with TYPE_UNSTABLE_JOIN",
-                              "if SM100 MLA prefill fails with TYPE_UNSTABLE_JOIN, cutlass-dsl 4.6.2 "
-                              "is said to fix it"))
+                              "kernel with TYPE_UNSTABLE_JOIN; the same report says cutlass-dsl "
+                              "4.6.2 does not"))
         return findings
     sm = env.capability[0] if env.capability else None
     facts = (f"vLLM {vllm_version}, nvidia-cutlass-dsl {cutlass or '-'}, quack-kernels {quack or '-'}, "
@@ -390,7 +396,7 @@ def doctor_findings(env, serve) -> list:
     if os.environ.get(DISK_CACHE_ENV) == "1":
         findings.append(F("info", name, f"{DISK_CACHE_ENV}=1: FA4 kernels compiled before the fix stay "
                           "on disk under the plain source-fingerprint folder; the fix compiles into a "
-                          f"fresh '<fingerprint>{DISK_NAMESPACE_SUFFIX}' folder and never loads them",
+                          f"fresh '<fingerprint>{DISK_NAMESPACE_SUFFIX}' folder and never loads them; "
                           "expect one compile per kernel on the first patched start-up"))
     if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
         findings.append(F("ok", name, "VLLM_BATCH_INVARIANT=1 forces num_splits=1: no Split-KV, "
@@ -398,7 +404,7 @@ def doctor_findings(env, serve) -> list:
         return findings
     if serve is not None:
         archs = set(serve.architectures)
-        is_mla = bool(archs & doctor.MLA_ARCHITECTURES) or "kv_lora_rank" in serve.model_config
+        is_mla = bool(archs & MLA_ARCHITECTURES) or "kv_lora_rank" in serve.model_config
         if serve.model_config and not is_mla:
             findings.append(F("ok", name, "not an MLA model: this failure is specific to MLA prefill"))
             return findings
@@ -410,28 +416,32 @@ def doctor_findings(env, serve) -> list:
         if serve.kernel_config.get("enable_cutedsl_warmup") is False:
             findings.append(F("info", name, "enable_cutedsl_warmup=false (the workaround) avoids the "
                               "crash; cost: each FA4 kernel JIT-compiles on first use, a stall of "
-                              "~15-25 s in the serving path",
-                              "with the fix applied, drop it to get the warm-up back"))
-    findings.append(_doctor_fix_verdict(env))
+                              "~15-25 s in the serving path; with the fix applied, drop it to get "
+                              "the warm-up back"))
+    findings.append(_diagnose_fix_state(env))
     return findings
 
 
-def _doctor_fix_verdict(env):
-    from vllm_mla_fixes import doctor
+WORKAROUND_FLAGS = ("--attention-config '{\"mla_prefill_backend\": \"TRTLLM_RAGGED\"}'",
+                    "--kernel-config '{\"enable_cutedsl_warmup\": false}'")
+"""The serve flags doctor suggests when the fix is not applied (tests parse
+them with each affected release's own argument parser)."""
 
-    F = doctor.Finding
-    state = env.fix_states.get(INFO.name, "")
-    if state == "applied":
+
+def _diagnose_fix_state(env):
+    from vllm_mla_fixes.report import Finding as F, fix_verdict
+
+    if env.fix_state(INFO.name) == "applied":
         return F("ok", INFO.name, "the fix is armed here: it checks and patches FA4 in each worker "
                  "when vLLM imports it, before warm-up; the worker log says "
                  f"'vllm-mla-fixes: {INFO.name}: patched'", "run the same serve line")
-    if state.startswith("skipped: cannot probe here"):
-        return F("warn", INFO.name, f"the fix cannot check FA4 in this process ({state}); "
-                 "on a GPU node with vLLM's CUDA build it can", "run doctor on the GPU node")
-    verdict = doctor._fix_verdict(env, INFO.name)
+    if env.fix_state(INFO.name) == "skipped" and env.fix_reason(INFO.name).startswith("cannot probe here"):
+        return F("warn", INFO.name, f"the fix cannot check FA4 in this process "
+                 f"(skipped: {env.fix_reason(INFO.name)}); on a GPU node with vLLM's CUDA build it can",
+                 "run doctor on the GPU node")
+    verdict = fix_verdict(env, INFO.name)
     if verdict.level == "error":
-        verdict.advice += ("; or work around it: --attention-config "
-                           "'{\"mla_prefill_backend\": \"TRTLLM_RAGGED\"}' (no FA4), or --kernel-config "
-                           "'{\"enable_cutedsl_warmup\": false}' (a JIT stall on each kernel's first use), "
+        verdict.advice += (f"; or work around it: {WORKAROUND_FLAGS[0]} (no FA4), or "
+                           f"{WORKAROUND_FLAGS[1]} (a JIT stall on each kernel's first use), "
                            f"or upgrade to vLLM {INFO.fixed_in}")
     return verdict

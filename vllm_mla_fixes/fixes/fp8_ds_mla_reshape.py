@@ -52,6 +52,7 @@ INFO = FixInfo(
     affected=">0.24.0,<0.26.0",
     affected_releases=("0.25.0", "0.25.1"),
     fixed_in="0.26.0",
+    newest_reviewed="0.26.0",
     hardware="SM90, SM100 (FLASHMLA_SPARSE)",
     error="RuntimeError: shape '[32, 64, 576]' is invalid for input of size 1343488",
     workarounds=(
@@ -72,6 +73,19 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 RESHAPE_FUNCTION = "_reshape_attention_kv_cache"
 RESHAPE_PARAMS = ("kv_raw_tensor", "kv_cache_spec", "kv_cache_shape",
                   "kv_cache_stride_order", "num_blocks", "packing")
+
+# The definitions the fix wraps or whose code its probe reads, by (module,
+# qualified name): fingerprint -> the releases it was reviewed in.  The probe
+# decides at runtime; `vllm-mla-fixes review` compares a new release with these.
+REVIEWED: dict[tuple[str, str], dict[str, str]] = {
+    (SPEC_MODULE, "MLAAttentionSpec.__post_init__"): {"4d74a4cb27f52ed2": "0.25.0, 0.25.1"},
+    (SPEC_MODULE, "SlidingWindowMLASpec.__post_init__"): {"0a0ee396ebadda3b": "0.25.0, 0.25.1"},
+    (SPEC_MODULE, "get_kv_quant_mode"): {"7b624460ca00057e": "0.25.0, 0.25.1"},
+    (PRODUCER_MODULE, "MLAAttention.get_kv_cache_spec"): {"5098a2f6686b3bc5": "0.25.0, 0.25.1"},
+    (RESHAPE_MODULE, RESHAPE_FUNCTION): {"0ef5427d42791b16": "0.25.0, 0.25.1"},
+    (RESHAPE_MODULE, "_reshape_kv_cache"): {"3f06df28f8760536": "0.25.0, 0.25.1"},
+    (RUNNER_MODULE, "GPUModelRunner._reshape_kv_cache_tensors"): {"e3314192fb12266c": "0.25.0, 0.25.1"},
+}
 
 
 class KVCacheLayoutMismatch(ValueError):
@@ -123,6 +137,12 @@ def probe() -> str | None:
             f"an fp8_ds_mla page is {spec.page_size_bytes} bytes, not 64 x {FP8_DS_MLA_BYTES_PER_TOKEN}")
     if spec.kv_quant_mode is not KVQuantMode.NONE:
         return "MLAAttentionSpec already derives kv_quant_mode from fp8_ds_mla"
+    return source_screen()
+
+
+def source_screen() -> str | None:
+    """The part of the probe that reads vLLM's source only (no import): None
+    while producer, consumer and reshape are the reviewed shape of the bug."""
     if producer_sets_quant_mode():
         return "MLAAttention.get_kv_cache_spec passes kv_quant_mode (upstream #48379 present)"
     if not reshape_reads_quant_mode():
