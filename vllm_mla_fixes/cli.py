@@ -1,4 +1,4 @@
-"""``vllm-mla-fixes status | verify | doctor | build-wheel``."""
+"""``vllm-mla-fixes status | verify | doctor | build-wheel | review``."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,12 @@ def cmd_build_wheel(args) -> int:
     return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
 
 
+def cmd_review(args) -> int:
+    from vllm_mla_fixes import review
+
+    return review.run(args.vllm, args.vllm_wheel, args.against, args.index_url)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-mla-fixes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--index-url", default="https://pypi.org/simple",
                        help="PEP 691 package index to download from")
     build.set_defaults(func=cmd_build_wheel)
+    review = sub.add_parser("review", help="what a vLLM release's code means for each fix, read "
+                            "from its wheel (not installed); exit 1 when something needs review")
+    release = review.add_mutually_exclusive_group(required=True)
+    release.add_argument("--vllm", metavar="VERSION", help="a release on the index, or 'latest'")
+    release.add_argument("--vllm-wheel", metavar="PATH", help="a vLLM wheel file (e.g. a nightly)")
+    review.add_argument("--against", metavar="VERSION",
+                        help="compare with the fingerprints reviewed in this release only")
+    review.add_argument("--index-url", default="https://pypi.org/simple", help="PEP 691 package index")
+    review.set_defaults(func=cmd_review)
     args = parser.parse_args(argv)
     return args.func(args)
 
