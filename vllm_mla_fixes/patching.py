@@ -38,6 +38,15 @@ from packaging.version import InvalidVersion, Version
 
 
 @dataclasses.dataclass(frozen=True)
+class NotCovered:
+    """Releases known to carry a fix's bug that the fix does not cover."""
+
+    specifier: str  # PEP 440 specifier (nightlies included)
+    releases: tuple[str, ...]  # the published releases in it, for tables
+    why: str  # one line: why the fix leaves them out
+
+
+@dataclasses.dataclass(frozen=True)
 class FixInfo:
     """Facts about one fix; every report and table reads them from here."""
 
@@ -45,11 +54,13 @@ class FixInfo:
     summary: str
     upstream: tuple[str, ...]
     affected: str  # PEP 440 specifier of the releases the gate admits for probing
-    affected_releases: tuple[str, ...]  # the published releases known to carry the bug
+    affected_releases: tuple[str, ...]  # the published releases the fix covers
     fixed_in: str | None  # first fixed release, None while upstream is open
+    newest_reviewed: str  # the newest release whose code was reviewed for this fix
     hardware: str
     error: str  # the upstream error text, as operators see it
     workarounds: tuple[str, ...]
+    not_covered: tuple[NotCovered, ...] = ()
 
     def admits(self, version: str) -> bool:
         return release_admitted(version, self.affected)
@@ -78,6 +89,38 @@ class CannotProbe(Exception):
 
 class TargetMismatch(Exception):
     """The target's code is not the code the fix was written against."""
+
+
+def release_decision(info: FixInfo, version: str) -> FixStatus | None:
+    """What the release alone decides for a fix, or ``None`` when the release
+    is admitted and the probe of its code decides.  One rule for every fix:
+
+    * at or after ``fixed_in``: not-needed;
+    * in a ``not_covered`` range: skipped (the bug is there, the fix is not);
+    * newer than ``newest_reviewed`` while upstream is open: skipped, not
+      reviewed -- nightlies of the next version count as newer, a local build
+      tag (``+cu130``) does not;
+    * in ``affected``: probe; anywhere else (below the range): not-needed.
+    """
+    try:
+        release = Version(Version(version).public)
+    except InvalidVersion:
+        return FixStatus(info.name, State.SKIPPED,
+                         f"vLLM's version {version!r} is not a PEP 440 version; the release gate cannot place it")
+    if info.fixed_in is not None and release >= Version(info.fixed_in):
+        return FixStatus(info.name, State.NOT_NEEDED, f"fixed upstream in vLLM {info.fixed_in}")
+    for uncovered in info.not_covered:
+        if release_admitted(version, uncovered.specifier):
+            return FixStatus(info.name, State.SKIPPED,
+                             f"bug present in vLLM {version}, not covered here; upgrade to "
+                             f"{info.affected_releases[0]}+ ({uncovered.why})")
+    if info.fixed_in is None and release > Version(info.newest_reviewed):
+        return FixStatus(info.name, State.SKIPPED,
+                         f"not reviewed: vLLM {version} is newer than {info.newest_reviewed}, the newest "
+                         "release reviewed for this fix, and the bug is open upstream")
+    if not info.admits(version):
+        return FixStatus(info.name, State.NOT_NEEDED, f"vLLM {version} is outside {info.affected}")
+    return None
 
 
 def release_admitted(version: str, specifier: str) -> bool:
@@ -264,9 +307,9 @@ class AppliedFix:
 def run_fix(module: ModuleType, vllm_version: str) -> AppliedFix:
     """Gate, probe and apply one fix module; never raises."""
     info: FixInfo = module.INFO
-    if not info.admits(vllm_version):
-        return AppliedFix(FixStatus(info.name, State.NOT_NEEDED,
-                                    f"vLLM {vllm_version} is outside {info.affected}"))
+    decided = release_decision(info, vllm_version)
+    if decided is not None:
+        return AppliedFix(decided)
     try:
         reason = module.probe()
     except CannotProbe as exc:
