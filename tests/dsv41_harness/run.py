@@ -200,7 +200,10 @@ def allocate_blocks(layout: Layout, seed: int) -> list[list[list[int]]]:
 
 def make_block_tables(layout: Layout, blocks: list[list[list[int]]]):
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-    from vllm.v1.worker.block_table import get_block_table_width
+    try:
+        from vllm.v1.kv_cache_interface import get_block_table_width
+    except ImportError:  # before 0.34.0
+        from vllm.v1.worker.block_table import get_block_table_width
     from vllm.v1.worker.gpu.block_table import BlockTables
 
     model, cfg = layout.model, layout.config

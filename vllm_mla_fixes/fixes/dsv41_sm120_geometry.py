@@ -95,8 +95,8 @@ INFO = FixInfo(
             "else per-ratio blocks",
     upstream=("vllm#59203", "vllm#56702", "vllm#56509", "vllm#57292",
               "flashinfer#5323", "flashinfer#5174", "flashinfer#5244"),
-    affected=">=0.32.0.dev0,<0.34.0",
-    affected_releases=("0.32.0", "0.33.0"),
+    affected=">=0.32.0.dev0,<=0.34.0",
+    affected_releases=("0.32.0", "0.33.0", "0.34.0"),
     fixed_in=None,
     newest_reviewed="0.34.0",
     hardware="SM120, SM121 (FLASHINFER_MLA_SPARSE_DSV41)",
@@ -107,6 +107,9 @@ INFO = FixInfo(
         "PR #56509 (kernel blocks of 64 inside 128-token blocks) starts but produces U+FFFD: "
         "do not serve with it",
     ),
+    not_covered=(patching.NotCovered(
+        ">=0.30.0.dev0,<0.32.0.dev0", ("0.30.0", "0.31.0"),
+        "0.30/0.31 choose kernel block sizes through a different API, which this fix does not wrap"),),
 )
 
 PAGE_ROWS = 64
@@ -140,16 +143,16 @@ COMPRESSOR_MODULE = "vllm.models.deepseek_v41.compressor"
 # fix wraps or relies on exactly these definitions; anything else is a
 # TargetMismatch and vLLM stays untouched.
 REVIEWED: dict[tuple[str, str], dict[str, str]] = {
-    (ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec"): {"80626492cbc4d6b0": "0.32.0, 0.33.0"},
-    (ATTENTION_MODULE, "DeepseekV4IndexerCache.get_kv_cache_spec"): {"0ef5dfb296bbfb3b": "0.32.0", "f47d3ccf7860b805": "0.33.0"},
-    (FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes"): {"d6dc7a2839ed5309": "0.32.0, 0.33.0"},
-    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_decode"): {"ead22506b9bf0f0a": "0.32.0, 0.33.0"},
-    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_prefill"): {"1b6cfe48f45705bf": "0.32.0, 0.33.0"},
-    (INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"): {"3ee73f2582cb00c7": "0.32.0, 0.33.0"},
-    (SWA_MODULE, "DeepseekV4SWACache.__init__"): {"73b7aedf34908917": "0.32.0", "71449ccde4274966": "0.33.0"},
-    (SWA_MODULE, "DeepseekV4SWACache.get_kv_cache_spec"): {"f513952670f9bf38": "0.32.0", "753bd30916d94e25": "0.33.0"},
-    (WARMUP_MODULE, "CompressedSlotMappingKernel.get_warmup_keys"): {"216e302a557266f9": "0.32.0", "776a353d46e2e7b3": "0.33.0"},
-    (WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): {"999feba03e12db36": "0.32.0, 0.33.0"},
+    (ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec"): {"80626492cbc4d6b0": "0.32.0, 0.33.0, 0.34.0"},
+    (ATTENTION_MODULE, "DeepseekV4IndexerCache.get_kv_cache_spec"): {"0ef5dfb296bbfb3b": "0.32.0", "f47d3ccf7860b805": "0.33.0, 0.34.0"},
+    (FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes"): {"d6dc7a2839ed5309": "0.32.0, 0.33.0", "544fde42b12dfc4a": "0.34.0"},
+    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_decode"): {"ead22506b9bf0f0a": "0.32.0, 0.33.0, 0.34.0"},
+    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_prefill"): {"1b6cfe48f45705bf": "0.32.0, 0.33.0, 0.34.0"},
+    (INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"): {"3ee73f2582cb00c7": "0.32.0, 0.33.0", "b0712154722b009f": "0.34.0"},
+    (SWA_MODULE, "DeepseekV4SWACache.__init__"): {"73b7aedf34908917": "0.32.0", "71449ccde4274966": "0.33.0, 0.34.0"},
+    (SWA_MODULE, "DeepseekV4SWACache.get_kv_cache_spec"): {"f513952670f9bf38": "0.32.0", "753bd30916d94e25": "0.33.0, 0.34.0"},
+    (WARMUP_MODULE, "CompressedSlotMappingKernel.get_warmup_keys"): {"216e302a557266f9": "0.32.0", "776a353d46e2e7b3": "0.33.0, 0.34.0"},
+    (WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): {"999feba03e12db36": "0.32.0, 0.33.0", "70806dab17e278c2": "0.34.0"},
     # The interleaved split replaces or relies on these as well (SPLIT_TARGETS).
     (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"): {"afea4079dd113fc9": "0.32.0, 0.33.0"},
     (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"): {"840b1d99ab0f763f": "0.32.0, 0.33.0"},

@@ -23,6 +23,7 @@ planner (0.7.0.post1) or static decode envelope (0.7.2.post1).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable
@@ -54,6 +55,11 @@ DSV41_FLASH = {
 REPORT_CALL = {"num_tokens": 8, "num_heads": 8, "topk": 128}
 BLOCK_SIZE_ERROR = "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])."
 INDEXER_BLOCK_SIZE_ERROR = "No common block size for 64 (DEEPSEEK_V41_INDEXER: [128])."
+# 0.34.0: both backends take [64] on SM12x, so a packed 128-token block must be split.
+SPLIT_ERROR = ("FLASHINFER_MLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed 128-token "
+               "KV cache blocks cannot be split into. Reduce --block-size to 64 or set "
+               "VLLM_KV_CACHE_LAYOUT to a layer-compact layout (e.g. LBNHC).")
+START_ERRORS = (BLOCK_SIZE_ERROR, SPLIT_ERROR)
 CPU = torch.device("cpu")
 
 
@@ -228,6 +234,45 @@ def select_kernel_block_sizes(geometry: Geometry) -> dict[str, int]:
     return chosen
 
 
+def create_metadata_builders(geometry: Geometry, max_model_len: int = 8192) -> None:
+    """Every attention group's own ``create_metadata_builders``, as the worker
+    runs it at start-up.  It picks the group's kernel block size and, where
+    that is smaller than the group's block (0.34.0 on SM12x), records the split
+    that ``map_kv_caches_to_kernel_blocks`` then applies when binding.  The
+    model config is a namespace with what the builders read of it; the
+    prefill-workspace factor is what ``VllmConfig`` resolves for contexts up to 256K."""
+    from types import SimpleNamespace
+
+    from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+    from vllm.models.deepseek_v41.compressor import CompressorBackend
+
+    model = dict(DSV41_FLASH, qk_rope_head_dim=64, index_topk=512)
+    hf_config = DeepseekV41Config(text_config=model)
+    config = geometry.vllm_config
+    config.model_config = SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config,
+                                          max_model_len=max_model_len)
+    config.attention_config.sparse_mla_prefill_workspace_factor = 5
+    for group_id, groups in enumerate(geometry.attn_groups):
+        for group in groups:
+            if group.backend is not CompressorBackend:  # its ring is never split or read here
+                group.create_metadata_builders(config, CPU,
+                                               kernel_block_size=geometry.kernel_block_sizes[group_id])
+
+
+def start_upstream(block_size: int) -> tuple[Geometry | None, str | None]:
+    """vLLM's start-up for ``--block-size``: kernel block sizes, metadata
+    builders, allocation and binding.  Returns the bound geometry, or vLLM's
+    start-up error text."""
+    geometry = plan_geometry(block_size)
+    try:
+        select_kernel_block_sizes(geometry)
+        create_metadata_builders(geometry)
+        allocate_and_bind(geometry)
+    except ValueError as exc:
+        return None, str(exc)
+    return geometry, None
+
+
 def allocate_and_bind(geometry: Geometry) -> dict[str, torch.Tensor]:
     """vLLM's allocation and binding of the KV cache views (the fix's self-check runs here)."""
     from vllm.v1.worker import utils as worker_utils
@@ -325,6 +370,33 @@ def flashinfer_primary_page(kv_cache: torch.Tensor) -> int:
     return _packed_kv_page_block_size(kv_cache, model_type=_MODEL_TYPE_DSV4, name="swa_kv_cache")
 
 
+@contextlib.contextmanager
+def sm120_platform(capability: tuple[int, int] = (12, 0), num_sms: int = 188):
+    """vLLM's current platform answering hardware queries as an SM120 GPU's
+    driver would (default: an RTX PRO 6000 Blackwell, 188 SMs).  Only the
+    queries are stood in (``get_device_capability``, ``num_compute_units``:
+    NVML and the CUDA runtime on a CUDA platform); vLLM's own capability logic
+    (``is_device_capability_family``, ``has_device_capability``) runs on their
+    answers.  0.34.0's backends choose their SM12x kernel block sizes through it."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    platform_class = type(current_platform)
+    answers = {"get_device_capability": classmethod(lambda cls, device_id=0: DeviceCapability(*capability)),
+               "num_compute_units": classmethod(lambda cls, device_id=0: num_sms)}
+    own = {name: platform_class.__dict__.get(name) for name in answers}
+    for name, answer in answers.items():
+        setattr(platform_class, name, answer)
+    try:
+        yield
+    finally:
+        for name, previous in own.items():
+            if previous is None:
+                delattr(platform_class, name)
+            else:
+                setattr(platform_class, name, previous)
+
+
 def sm120_paged_mqa_page_sizes() -> tuple[int, ...]:
     """The SM120 branch of vLLM's ``get_paged_mqa_page_sizes`` (the page sizes
     DeepGEMM's paged-MQA logits kernels take), read from its source because the
@@ -398,31 +470,33 @@ def capacity(block_size: int, max_model_len: int, memory: int = 1 << 30) -> dict
 # -------------------------------------------------------------------- verify
 
 def verify(report: Callable[[str], None]) -> bool:
-    """Reproduce the upstream failures, then show the fixed geometry."""
+    """Reproduce the upstream failures, then show the fixed geometry, on an
+    SM120 platform stand-in (see :func:`sm120_platform`)."""
+    with sm120_platform():
+        return _verify(report)
+
+
+def _verify(report: Callable[[str], None]) -> bool:
     ok = True
     report(f"FlashInfer {flashinfer_version()}")
-    try:
-        select_kernel_block_sizes(plan_geometry(64))
-    except ValueError as exc:
-        report(f"--block-size 64, upstream: ValueError: {exc}")
-        ok &= str(exc) == BLOCK_SIZE_ERROR
-    else:
-        report("--block-size 64, upstream: started (expected the 'No common block size' error)")
-        ok = False
-
-    geometry = plan_geometry(128)
-    select_kernel_block_sizes(geometry)
-    allocate_and_bind(geometry)
-    pages = flashinfer_pages(geometry)
-    report("--block-size 128, upstream pages: " + _page_summary(pages))
-    swa = next(layer for layer in geometry.layers.values() if layer.compress_ratio == 0)
-    verdict = sm120_decode_verdict(flashinfer_primary_page(swa._as_sparse_cache(swa.swa_cache_layer.kv_cache)),
-                                   has_extra=False, **REPORT_CALL)
-    report(f"  FlashInfer SM120, SWA-only layer decode: {verdict or 'accepted'}")
     mqa_pages = sm120_paged_mqa_page_sizes()
-    wrong = sorted({page.rows for page in pages if page.kind == "indexer" and page.rows not in mqa_pages})
-    report(f"  indexer pages of {wrong} states; SM120 paged-MQA logits take {list(mqa_pages)} "
-           "(vLLM's get_paged_mqa_page_sizes)" if wrong else "  indexer pages all fit SM120 paged-MQA")
+    for block_size in (64, 128):
+        geometry, error = start_upstream(block_size)
+        if error is not None:
+            report(f"--block-size {block_size}, upstream: ValueError: {error}")
+            ok &= error in START_ERRORS
+            continue
+        pages = flashinfer_pages(geometry)
+        report(f"--block-size {block_size}, upstream: starts; pages: " + _page_summary(pages))
+        swa = next(layer for layer in geometry.layers.values() if layer.compress_ratio == 0)
+        verdict = sm120_decode_verdict(
+            flashinfer_primary_page(swa._as_sparse_cache(swa.swa_cache_layer.kv_cache)),
+            has_extra=False, **REPORT_CALL)
+        report(f"  FlashInfer SM120, SWA-only layer decode: {verdict or 'accepted'}")
+        wrong = sorted({page.rows for page in pages if page.kind == "indexer" and page.rows not in mqa_pages})
+        report(f"  indexer pages of {wrong} states; SM120 paged-MQA logits take {list(mqa_pages)} "
+               "(vLLM's get_paged_mqa_page_sizes)" if wrong else "  indexer pages all fit SM120 paged-MQA")
+        ok &= any(page.rows != fix.PAGE_ROWS for page in pages)  # the bug: some page is not 64 rows
 
     with applied((12, 0)) as result:
         report(f"fix: {result.status.label()} ({result.status.reason})")
@@ -430,6 +504,7 @@ def verify(report: Callable[[str], None]) -> bool:
         for block_size in (64, 128):
             geometry = plan_geometry(block_size)
             sizes = select_kernel_block_sizes(geometry)
+            create_metadata_builders(geometry)
             allocate_and_bind(geometry)  # runs the start-up self-check
             pages = flashinfer_pages(geometry)
             verdicts = {sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed", **REPORT_CALL)
