@@ -8,7 +8,8 @@ changed, missing), with a unified diff of each changed one against the newest
 reviewed release's source -- and the fix's import-free ``source_screen()`` run
 on the release's code.  The wheels come from the package index, checked
 against its published sha256 (:func:`wheel.download_verified`, cached under
-``~/.cache/vllm-mla-fixes/wheels``); only ``vllm/**.py`` is unpacked.
+``~/.cache/vllm-mla-fixes/wheels``); only the reviewed modules' ``.py``
+files are unpacked.
 
 Exit status: 0 nothing to review, 1 something changed or the release needs a
 review (a fix the release is in scope of: admitted by its gate, or newer than
@@ -24,7 +25,7 @@ import difflib
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -73,19 +74,25 @@ def fetch(release: str, index_url: str, log: Callable[[str], None]) -> Path:
         raise ReviewError(f"cannot download vLLM {release} from {index_url}: {exc}") from exc
 
 
+def reviewed_modules() -> set[str]:
+    """Every vLLM module a fix's registry names (its source screen reads no other)."""
+    return {module for fix in ALL_FIXES for module, _ in fix.REVIEWED}
+
+
 @contextlib.contextmanager
-def unpacked_sources(wheel_file: Path) -> Iterator[Path]:
-    """A temporary folder holding the wheel's ``vllm/**.py`` files (nothing else)."""
+def unpacked_sources(wheel_file: Path, modules: Iterable[str]) -> Iterator[Path]:
+    """A temporary folder holding the source files of ``modules`` from the
+    wheel (unpacking all ~3,500 of vLLM's would take seconds)."""
+    wanted = {f"{'/'.join(m.split('.'))}{tail}" for m in modules for tail in (".py", "/__init__.py")}
     with tempfile.TemporaryDirectory(prefix="vllm-review-") as folder:
         try:
             with zipfile.ZipFile(wheel_file) as archive:
-                members = [n for n in archive.namelist()
-                           if n.startswith("vllm/") and n.endswith(".py")]
+                members = [n for n in archive.namelist() if n in wanted]
                 archive.extractall(folder, members)
         except (OSError, zipfile.BadZipFile) as exc:
             raise ReviewError(f"cannot read {wheel_file}: {exc}") from exc
         if not members:
-            raise ReviewError(f"{wheel_file.name} holds no vllm/*.py sources")
+            raise ReviewError(f"{wheel_file.name} holds none of the reviewed vLLM modules")
         yield Path(folder)
 
 
@@ -209,7 +216,7 @@ def add_diffs(reviews: list[FixReview], version: str, new_root: Path, index_url:
               if d.state in ("changed", "missing") and d.reference_release]
     for release in sorted({d.reference_release for d in wanted}, key=Version):
         group = [d for d in wanted if d.reference_release == release]
-        with unpacked_sources(fetch(release, index_url, log)) as old_root, \
+        with unpacked_sources(fetch(release, index_url, log), {d.module for d in group}) as old_root, \
                 patching.sources_from(old_root):
             old = {d.name: _source_lines(d.module, d.qualname) for d in group}
             for d in group:  # the registry must describe the release it names
@@ -281,7 +288,7 @@ def run(release: str | None, wheel_path: str | None, against: str | None, index_
                 raise ReviewError(f"--vllm {version!r} is not a release number (e.g. 0.34.0) "
                                   "or 'latest'") from exc
             source = fetch(version, index_url, log)
-        with unpacked_sources(source) as root:
+        with unpacked_sources(source, reviewed_modules()) as root:
             with patching.sources_from(root):
                 reviews = [review_fix(m, version, against) for m in ALL_FIXES]
             add_diffs(reviews, version, root, index_url, log)
