@@ -9,14 +9,16 @@ from vllm_mla_fixes.fixes import ALL_FIXES
 
 
 def matrix_markdown() -> str:
-    lines = ["| fix | vLLM releases affected | fixed upstream in | GPUs | upstream |",
-             "|---|---|---|---|---|"]
+    lines = ["| fix | vLLM releases fixed here | affected, not covered | newest release reviewed "
+             "| fixed upstream in | GPUs | upstream |",
+             "|---|---|---|---|---|---|---|"]
     for module in ALL_FIXES:
         info = module.INFO
-        lines.append(f"| `{info.name}` | {', '.join(info.affected_releases)} | "
-                     f"{info.fixed_in or 'open'} | {info.hardware} | {', '.join(info.upstream)} |")
+        uncovered = "; ".join(f"{', '.join(n.releases)} ({n.why})" for n in info.not_covered) or "-"
+        lines.append(f"| `{info.name}` | {', '.join(info.affected_releases)} | {uncovered} | "
+                     f"{info.newest_reviewed} | {info.fixed_in or 'open'} | {info.hardware} | "
+                     f"{', '.join(info.upstream)} |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     print(matrix_markdown())

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from vllm_mla_fixes import installed_vllm_version
 from vllm_mla_fixes.fixes import ALL_FIXES
+from vllm_mla_fixes.patching import State, release_decision
 
 VERIFIERS = {
     "fp8-ds-mla-reshape": "vllm_mla_fixes.reproductions.fp8_ds_mla",
@@ -33,8 +34,10 @@ def run(report: Callable[[str], None] = print) -> int:
     results = []
     for module in ALL_FIXES:
         info = module.INFO
-        if not info.admits(version):
-            report(f"[{info.name}] not affected: vLLM {version} is outside {info.affected}")
+        decided = release_decision(info, version)
+        if decided is not None:
+            verdict = "not affected" if decided.state is State.NOT_NEEDED else decided.state.value
+            report(f"[{info.name}] {verdict}: {decided.reason}")
             continue
         target = VERIFIERS.get(info.name)
         if target is None:
