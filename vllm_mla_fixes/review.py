@@ -48,8 +48,12 @@ class ReviewError(RuntimeError):
 
 def newest_release(index_url: str = wheel.DEFAULT_INDEX) -> str:
     """The newest final vLLM release on the index that has a wheel (yanked files ignored)."""
+    try:
+        files = wheel._index_files(index_url)
+    except wheel.WheelBuildError as exc:
+        raise ReviewError(str(exc)) from exc
     versions = set()
-    for entry in wheel._index_files(index_url):
+    for entry in files:
         name = entry.get("filename", "")
         if not name.endswith(".whl") or entry.get("yanked"):
             continue
