@@ -71,6 +71,16 @@ def test_every_registry_describes_the_installed_release():
         assert checked >= 7
 
 
+@pytest.mark.parametrize("fix", ALL_FIXES, ids=lambda m: m.INFO.name)
+def test_every_fix_offers_the_review_its_registry_and_source_screen(fix):
+    assert callable(fix.source_screen) and fix.REVIEWED
+    for (module, qualname), known in fix.REVIEWED.items():
+        assert module.startswith("vllm.") and qualname and known
+        for fingerprint, releases in known.items():
+            assert re.fullmatch(r"[0-9a-f]{16}", fingerprint)
+            assert all(Version(r) <= Version(fix.INFO.newest_reviewed) for r in review._releases(releases))
+
+
 def test_gate_rule_and_scope():
     assert review.gate(fp8_ds_mla_reshape, "0.25.1") == ("admitted: the probe decides", True)
     assert review.gate(fp8_ds_mla_reshape, "0.34.0") == ("not-needed: fixed upstream in vLLM 0.26.0", False)
