@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "vllm-mla-fixes"  # the console script, as an operator runs it
 on_033 = pytest.mark.vllm_release("0.33.0")
 
-# vLLM 0.34.0 changed these three DeepSeek-V4.1 definitions (the dossier's "Update: 0.34.0").
+# vLLM 0.34.0 changed these three DeepSeek-V4.1 definitions (dossier dsv41-sm120-page-geometry,
+# "Update: releases other than 0.32.0/0.33.0").
 CHANGED_IN_034 = {
     "vllm.models.deepseek_v41.nvidia.flashinfer_sparse:"
     "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes",
