@@ -181,9 +181,11 @@ def test_user_and_network_errors_are_one_line_and_exit_2(args, error):
 
 
 @on_033
-def test_newest_release_is_a_final_release_with_a_wheel():
+def test_latest_is_the_newest_final_release_with_a_wheel():
     newest = review.newest_release()
     assert Version(newest) >= Version("0.34.0") and not Version(newest).is_prerelease
+    proc = run_cli("--vllm", "latest")  # what a maintainer runs by hand
+    assert proc.returncode in (0, 1) and proc.stdout.startswith(f"vLLM {newest} (vllm-{newest}-")
 
 
 @on_033
