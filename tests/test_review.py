@@ -158,6 +158,9 @@ def test_a_reviewed_release_has_nothing_to_review():
     assert "source screen: holds" in dsv41
     assert proc.stdout.rstrip().endswith("nothing to review: every fix in scope of vLLM 0.33.0 "
                                          "finds its reviewed code")
+    # a wheel file given by path (a nightly, say) is reviewed the same way
+    local = run_cli("--vllm-wheel", str(wheel.download_verified("0.33.0")))
+    assert (local.returncode, local.stdout) == (0, proc.stdout)
 
 
 @on_033
