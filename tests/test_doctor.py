@@ -1,8 +1,12 @@
-"""``vllm-mla-fixes doctor`` on real environments (issues 3 and 6)."""
+"""``vllm-mla-fixes doctor`` on real environments (issues 3, 6 and 11).
+
+Every command doctor prints as a remedy is run here, or checked by the
+installed release's own code: see the ``test_remedy_*`` tests."""
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +28,7 @@ def doctor(*args: str, python: str = sys.executable, **env: str) -> subprocess.C
 
 
 def _findings(proc) -> list[dict]:
-    out = proc.stdout
-    return json.loads(out[out.index("{\n"):])["findings"]
+    return json.loads(proc.stdout)["findings"]  # stdout is the JSON document alone
 
 
 @pytest.mark.vllm_release("0.25.1")
@@ -47,7 +50,15 @@ def test_glm_line_without_the_plugin_is_an_error_with_the_way_out():
     proc = doctor("--", *GLM_LINE, VLLM_PLUGINS="lora_filesystem_resolver")
     assert proc.returncode == 1
     assert "VLLM_PLUGINS='lora_filesystem_resolver'" in proc.stdout
-    assert "add mla_fixes to VLLM_PLUGINS" in proc.stdout
+    remedy = "export VLLM_PLUGINS=lora_filesystem_resolver,mla_fixes"
+    assert remedy in proc.stdout
+    # The remedy works: with that setting vLLM's loader applies the fix.
+    status = subprocess.run([sys.executable, "-m", "vllm_mla_fixes", "status", "--json"],
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                                 "VLLM_PLUGINS": remedy.split("=", 1)[1]},
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    states = {f["name"]: f["state"] for f in json.loads(status.stdout)["fixes"]}
+    assert states["fp8-ds-mla-reshape"] == "applied"
 
 
 @pytest.mark.vllm_release("0.26.0")
@@ -61,7 +72,7 @@ def test_glm_line_on_fixed_release_needs_nothing():
 @pytest.mark.vllm_release("0.25.1")
 def test_environment_report_lists_the_checklist():
     proc = doctor("--json")
-    env = json.loads(proc.stdout[proc.stdout.index("{\n"):])["environment"]
+    env = json.loads(proc.stdout)["environment"]
     assert env["packages"]["vllm"] == "0.25.1"
     assert env["packages"]["nvidia-cutlass-dsl"] == "4.5.2"
     for key in ("torch", "flashinfer-python", "quack-kernels", "torchaudio"):
@@ -108,3 +119,135 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     assert "--moe-backend triton is not supported on SM120" in text
     assert "U+FFFD" in text
     assert proc.returncode == 1  # mxfp4 and triton block this line on SM120
+
+
+# -- every remedy doctor prints is run here, or checked by the release's own code ------
+
+
+def _scratch_venv(path: Path, *requirements: str) -> Path:
+    """A virtual environment with pip (doctor's remedies say `pip ...`)."""
+    subprocess.run(["uv", "venv", "-q", "--seed", "-p", sys.executable, str(path)], check=True)
+    if requirements:
+        subprocess.run(["uv", "pip", "install", "-q", "--python", str(path / "bin" / "python"),
+                        *requirements], check=True)
+    return path
+
+
+def _run_remedy(venv: Path, advice: str) -> None:
+    """Run a `pip ... [&& pip ...]` remedy exactly as printed, with the environment's own pip."""
+    for part in advice.split(" && "):
+        command = shlex.split(part)
+        assert command[0] == "pip", advice
+        subprocess.run([str(venv / "bin" / "pip"), *command[1:]], check=True, timeout=600)
+
+
+@pytest.mark.vllm_release("0.32.0")
+def test_remedy_cuda_python_pair_repairs_the_clash(tmp_path):
+    """The clash `pip install vllm==0.32.0` can leave (cuda-python 12.6.2.post1's
+    cuda/bindings files over cuda-bindings 13.5.0), found by doctor in that very
+    environment, and repaired by the command doctor prints."""
+    venv = _scratch_venv(tmp_path / "venv", "cuda-bindings==13.5.0", "packaging==25.0")
+    python = str(venv / "bin" / "python")
+    subprocess.run(["uv", "pip", "install", "-q", "--python", python, "--no-deps", "--reinstall",
+                    "cuda-python==12.6.2.post1"], check=True)  # written last: its files win
+    has_library_type = [python, "-c", "import cuda.bindings.runtime as r; print(hasattr(r, 'cudaLibrary_t'))"]
+    assert subprocess.run(has_library_type, capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+    proc = doctor("--json", python=python, PYTHONPATH=str(ROOT))
+    (clash,) = [f for f in _findings(proc) if "cuda-python 12.6.2.post1 beside cuda-bindings 13.5.0" in f["message"]]
+    assert clash["advice"] == ("pip uninstall -y cuda-python cuda-bindings && "
+                               "pip install cuda-python==13.4.4 cuda-bindings==13.4.4")
+    _run_remedy(venv, clash["advice"])
+    assert subprocess.run(has_library_type, capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("release", ["0.32.0", "0.33.0"])
+def test_remedy_cuda_python_pair_is_what_the_release_locks_pin(release):
+    """The releases' test environments are built with this pair, and their
+    DeepSeek-V4.1 tests import the modules the clash breaks."""
+    from vllm_mla_fixes.doctor import CUDA_PYTHON_PAIR
+
+    lock = (ROOT / "envs" / f"vllm-{release}.txt").read_text().splitlines()
+    assert {f"cuda-python=={CUDA_PYTHON_PAIR}", f"cuda-bindings=={CUDA_PYTHON_PAIR}"} <= set(lock)
+
+
+@pytest.mark.vllm_release("0.32.0")
+def test_remedy_torchaudio_uninstall(tmp_path):
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
+    from vllm_mla_fixes.report import Environment
+
+    env = Environment(packages={"vllm": "0.32.0", "torch": "2.13.0", "torchaudio": "2.11.0"}, gpu=None,
+                      capability=None, torch_cuda=None, vllm_plugins=None, mla_fixes=None, fix_states={})
+    (finding,) = [f for f in dsv41.diagnose(env, None) if f.message.startswith("torchaudio 2.11.0")]
+    venv = _scratch_venv(tmp_path / "venv", "--no-deps", "torchaudio==2.11.0")
+    _run_remedy(venv, finding.advice)
+    left = subprocess.run(["uv", "pip", "show", "--python", str(venv / "bin" / "python"), "torchaudio"],
+                          capture_output=True, text=True)
+    assert left.returncode != 0 and "not found" in left.stderr
+
+
+def _accepted_by_vllm(flag: str) -> None:
+    """Build the config object vLLM builds from this serve flag (it validates
+    names and values with pydantic, as `vllm serve` does)."""
+    from vllm.config import AttentionConfig, KernelConfig
+
+    option, value = shlex.split(flag)
+    if option == "--moe-backend":
+        assert KernelConfig(moe_backend=value).moe_backend == value
+        return
+    config_class = {"--attention-config": AttentionConfig, "--kernel-config": KernelConfig}[option]
+    fields = json.loads(value)
+    config = config_class(**fields)
+    for key, wanted in fields.items():
+        assert str(getattr(config, key)).split(".")[-1] == str(wanted), (flag, getattr(config, key))
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_remedy_fa4_workaround_flags_are_valid_serve_flags():
+    from vllm_mla_fixes.fixes import fa4_compile_strides as fa4
+
+    for flag in fa4.WORKAROUND_FLAGS:
+        _accepted_by_vllm(flag)
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0")
+def test_remedy_dsv41_flags_are_valid_serve_flags():
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
+
+    for flag in (dsv41.INDEXER_FP8_FLAG, dsv41.MOE_MARLIN_FLAG):
+        _accepted_by_vllm(flag)
+
+
+def test_every_pip_remedy_is_one_of_the_checked_ones():
+    """A new `pip ...` remedy must come with a test above: the list of the
+    checked ones is closed."""
+    sources = [ROOT / "vllm_mla_fixes" / "doctor.py", ROOT / "vllm_mla_fixes" / "report.py",
+               *sorted((ROOT / "vllm_mla_fixes" / "fixes").glob("*.py"))]
+    remedies = sorted({line.split('"', 2)[1].split("{")[0].strip()
+                       for path in sources for line in path.read_text().splitlines()
+                       if '"pip ' in line or "f\"pip " in line})
+    assert remedies == ["pip install",  # report.install_advice: the cli contract test runs it
+                        "pip install cuda-python==", "pip uninstall -y cuda-python cuda-bindings &&",
+                        "pip uninstall -y torchaudio"], remedies
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0")
+def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
+    from vllm_mla_fixes import doctor as doctor_module
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
+    from vllm_mla_fixes.report import Environment
+
+    env = Environment(packages={"vllm": "0.32.0"}, gpu="RTX PRO 6000", capability=(12, 0), torch_cuda="13.0",
+                      vllm_plugins=None, mla_fixes=None,
+                      fix_states={dsv41.INFO.name: {"state": "applied", "reason": "vLLM 0.32.0"}})
+    model = str(ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41")
+
+    def geometry_line(*flags: str) -> str:
+        serve = doctor_module.parse_serve_args(["serve", model, *flags])
+        (line,) = [f.message for f in dsv41.diagnose(env, serve) if "geometry" in f.message]
+        return line
+
+    assert f"the {dsv41.SPLIT} geometry" in geometry_line("--block-size", "64")
+    assert f"the {dsv41.PER_RATIO} geometry (speculative decoding" in geometry_line(
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
+    assert f"the {dsv41.PER_RATIO} geometry (decode_context_parallel_size is 2" in geometry_line("-dcp", "2")

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 
-from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME
 from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, run_fix
 
 __all__ = ["register", "status", "revert_all", "selected_fixes"]
@@ -108,6 +108,10 @@ def _status_of(name: str) -> FixStatus:
         return FixStatus(name, State.SKIPPED, "not evaluated: the plugin has not run in this process")
     if result.patch is not None and result.patch.failed:
         return FixStatus(name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was")
+    detail = getattr(FIXES_BY_NAME[name], "status_detail", None)
+    if result.status.state is State.APPLIED and detail is not None:
+        # A fix whose choice is made after register() (e.g. per engine config) says which.
+        return FixStatus(name, State.APPLIED, f"{result.status.reason}; {detail()}")
     return result.status
 
 

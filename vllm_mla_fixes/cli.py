@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 import vllm_mla_fixes
@@ -17,6 +19,27 @@ def _check_selection() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def logs_to_stderr():
+    """While vLLM and the plugins load, send everything they write to stderr,
+    so stdout carries our output alone (``--json`` is exactly one document).
+
+    vLLM's logger writes to stdout unless VLLM_LOGGING_STREAM says otherwise;
+    it is pointed at stderr for this process before vLLM is imported.  Other
+    writers (a library's print, C code) are caught by pointing file
+    descriptor 1 at stderr until the block ends."""
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_status(args) -> int:
     problem = _check_selection()
     if problem:
@@ -26,23 +49,23 @@ def cmd_status(args) -> int:
         print("error: vLLM is not installed in this environment, so no fix can apply. "
               "Install vllm-mla-fixes into the environment that runs `vllm serve`.", file=sys.stderr)
         return 1
-    import vllm.plugins  # vLLM's own loader: honours VLLM_PLUGINS as `vllm serve` would
+    with logs_to_stderr():
+        import vllm.plugins  # vLLM's own loader: honours VLLM_PLUGINS as `vllm serve` would
 
-    vllm.plugins.load_general_plugins()
-    rows = []
-    for module, entry in zip(ALL_FIXES, vllm_mla_fixes.status()):
-        rows.append({"name": entry.name, "state": entry.label(), "reason": entry.reason,
-                     "upstream": list(module.INFO.upstream),
-                     "affected": list(module.INFO.affected_releases),
-                     "fixed_in": module.INFO.fixed_in or "open"})
+        vllm.plugins.load_general_plugins()
+        statuses = vllm_mla_fixes.status()
+    rows = [{"name": entry.name, "state": entry.state.value, "reason": entry.reason,
+             "upstream": list(module.INFO.upstream),
+             "affected": list(module.INFO.affected_releases),
+             "fixed_in": module.INFO.fixed_in or "open"}
+            for module, entry in zip(ALL_FIXES, statuses)]
     if args.json:
         print(json.dumps({"vllm": vllm_mla_fixes.installed_vllm_version(), "fixes": rows}, indent=2))
         return 0
     print(f"vLLM {vllm_mla_fixes.installed_vllm_version()}, vllm-mla-fixes {vllm_mla_fixes.__version__}")
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        state = r["state"] if r["state"].startswith("skipped") else f"{r['state']} ({r['reason']})"
-        print(f"  {r['name']:<{width}}  {state}")
+        print(f"  {r['name']:<{width}}  {r['state']}: {r['reason']}")
     return 0
 
 
@@ -56,7 +79,13 @@ def cmd_doctor(args) -> int:
     from vllm_mla_fixes import doctor
 
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-    return doctor.run(serve_args, as_json=args.json)
+    try:
+        with logs_to_stderr():
+            env, serve, findings = doctor.diagnose(serve_args)
+    except doctor.DoctorInputError as exc:
+        print(f"doctor: {exc}")
+        return 2
+    return doctor.report(env, serve, findings, as_json=args.json)
 
 
 def cmd_build_wheel(args) -> int:
@@ -103,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     review.add_argument("--index-url", default="https://pypi.org/simple", help="PEP 691 package index")
     review.set_defaults(func=cmd_review)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as exc:  # an optional package a command needs
+        print(f"vllm-mla-fixes {args.command}: needs the Python package {exc.name!r}, which is not "
+              f"installed in this environment ({sys.executable})", file=sys.stderr)
+    except OSError as exc:  # a path the user gave, a full disk, no network
+        print(f"vllm-mla-fixes {args.command}: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,18 @@ package index and checked against the index's published sha256) and writes
 * every upstream file byte-identical (compiled kernels included);
 * this package (``vllm_mla_fixes/``) added, with its general-plugin entry point
   and its console script in ``entry_points.txt``;
-* ``METADATA`` carrying the new version, and a ``RECORD`` written by the
-  ``wheel`` library from the bytes actually stored.
+* ``METADATA`` carrying the new version, and a ``RECORD`` (PEP 376/427:
+  urlsafe-base64 sha256 and size) computed from the bytes actually stored.
+
+It needs only the standard library and ``packaging`` (a dependency of this
+package), so it runs in any environment that has vllm-mla-fixes.
 """
 from __future__ import annotations
 
+import base64
+import csv
 import hashlib
+import io
 import json
 import re
 import shutil
@@ -153,11 +159,17 @@ def _package_files() -> list[tuple[str, bytes]]:
     return files
 
 
+def _record_row(arcname: str, data: bytes) -> tuple[str, str, str]:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return arcname, f"sha256={digest}", str(len(data))
+
+
 def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
     """Write the patched wheel into ``out_dir`` and return its path."""
-    from wheel.wheelfile import WheelFile
-
-    name, upstream_version, _, _ = parse_wheel_filename(upstream_wheel.name)
+    try:
+        name, upstream_version, _, _ = parse_wheel_filename(upstream_wheel.name)
+    except ValueError as exc:  # packaging's InvalidWheelFilename
+        raise WheelBuildError(f"{upstream_wheel.name} is not a wheel file name: {exc}") from exc
     if name != "vllm":
         raise WheelBuildError(f"{upstream_wheel.name} is not a vLLM wheel")
     if "mlafixes" in str(upstream_version):
@@ -166,9 +178,30 @@ def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
     tags = upstream_wheel.name[:-len(".whl")].split("-", 2)[2]
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"vllm-{new_version}-{tags}.whl"
+    try:
+        _write_patched(upstream_wheel, target, upstream_version, new_version)
+    except BaseException:
+        target.unlink(missing_ok=True)  # never leave half a wheel behind
+        raise
+    return target
+
+
+def _write_patched(upstream_wheel: Path, target: Path, upstream_version: Version, new_version: str) -> None:
     old_info = f"vllm-{upstream_version}.dist-info/"
     new_info = f"vllm-{new_version}.dist-info/"
-    with zipfile.ZipFile(upstream_wheel) as source, WheelFile(target, "w") as patched:
+    try:
+        source = zipfile.ZipFile(upstream_wheel)
+    except zipfile.BadZipFile as exc:
+        raise WheelBuildError(f"{upstream_wheel} is not a valid wheel (zip) file: {exc}") from exc
+    record: list[tuple[str, str, str]] = []
+    with source, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as patched:
+        def store(arcname: str, data: bytes, like: zipfile.ZipInfo | None = None) -> None:
+            entry = zipfile.ZipInfo(arcname, date_time=like.date_time if like else (1980, 1, 1, 0, 0, 0))
+            entry.external_attr = like.external_attr if like else 0o644 << 16
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            patched.writestr(entry, data)
+            record.append(_record_row(arcname, data))
+
         names = set(source.namelist())
         if old_info + "METADATA" not in names:
             raise WheelBuildError(f"{upstream_wheel.name} has no {old_info}METADATA")
@@ -176,7 +209,7 @@ def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
             raise WheelBuildError(f"{upstream_wheel.name} already contains vllm_mla_fixes")
         for info in source.infolist():
             if info.is_dir() or info.filename == old_info + "RECORD":
-                continue  # RECORD is rewritten by WheelFile from what is stored
+                continue  # RECORD is rewritten below from what is stored
             data = source.read(info)
             arcname = info.filename
             if arcname.startswith(old_info):
@@ -188,15 +221,14 @@ def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
                     data = _with_entry_points(data.decode()).encode()
                 elif leaf == "top_level.txt":
                     data = data.rstrip(b"\n") + b"\nvllm_mla_fixes\n"
-            entry = zipfile.ZipInfo(arcname, date_time=info.date_time)
-            entry.external_attr = info.external_attr
-            entry.compress_type = zipfile.ZIP_DEFLATED
-            patched.writestr(entry, data)
+            store(arcname, data, info)
         if new_info + "entry_points.txt" not in patched.namelist():
-            patched.writestr(new_info + "entry_points.txt", _with_entry_points(""))
+            store(new_info + "entry_points.txt", _with_entry_points("").encode())
         for arcname, data in _package_files():
-            patched.writestr(arcname, data)
-    return target
+            store(arcname, data)
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows([*record, (new_info + "RECORD", "", "")])
+        patched.writestr(new_info + "RECORD", text.getvalue())
 
 
 def run(vllm_wheel: str | None, vllm_release: str | None, out_dir: str, build_number: int,

@@ -244,7 +244,8 @@ def probe(capability: tuple[int, int] | None = None) -> str | None:
     if major != 12:
         return (f"SM{major}{minor}: the page geometry is wrong only on SM12x; "
                 "this device keeps vLLM's block sizes")
-    return source_screen()
+    from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
+    return cached_screen(sys.modules[__name__], source_screen)
 
 
 def source_screen() -> None:
@@ -783,3 +784,106 @@ def for_capability(capability: tuple[int, int]):
 
     return types.SimpleNamespace(INFO=INFO, probe=functools.partial(probe, capability), apply=apply,
                                  status_detail=status_detail)
+
+
+# ------------------------------------------------------------------------ doctor
+
+def diagnose(env, serve) -> list:
+    """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
+    :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
+    :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor
+
+    name = INFO.name
+    vllm_version = env.packages.get("vllm")
+    if not vllm_version or not INFO.admits(vllm_version):
+        return [Finding("ok", name, f"vLLM {vllm_version} is outside the releases this fix reviews "
+                        f"({', '.join(INFO.affected_releases)})")]
+    if serve is not None and serve.model_config and "DeepseekV41ForCausalLM" not in serve.architectures:
+        return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
+    sm = env.capability
+    if sm is not None and sm[0] != 12:
+        return [Finding("ok", name, f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
+                        "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here")]
+    findings = [Finding("info", name, f"GPU {'SM%d%d' % sm if sm else 'not visible'}: SM120 (RTX PRO 6000) "
+                        "and SM121 (GB10) are both compute capability 12.x; the fix applies to both "
+                        "(neither has been run on hardware by this project)")]
+    fi, cubin, jit = (env.packages.get(p) for p in ("flashinfer-python", "flashinfer-cubin",
+                                                      "flashinfer-jit-cache"))
+    if fi and cubin and fi != cubin:
+        findings.append(Finding("error", name, f"flashinfer-cubin {cubin} != flashinfer-python {fi}",
+                                f"install flashinfer-cubin {fi}, the version of flashinfer-python "
+                                "(PyPI has no flashinfer-cubin 0.7.x: take it from where "
+                                "flashinfer-python came from)"))
+    if jit is None:
+        findings.append(Finding("warn", name, "flashinfer-jit-cache is not installed: SM120 kernels come "
+                                "from the sm120f jit-cache; the report installs its 4 KB shim with --no-deps",
+                                f"install the flashinfer-jit-cache {fi} shim with --no-deps (it is not on PyPI)"))
+    elif fi and jit.split("+")[0] != fi:
+        findings.append(Finding("error", name, f"flashinfer-jit-cache {jit} does not match flashinfer-python "
+                                f"{fi}; FlashInfer refuses to start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
+                                f"install flashinfer-jit-cache {fi} (a +cuXXX suffix is fine)"))
+    torch_v, audio_v = env.packages.get("torch"), env.packages.get("torchaudio")
+    if audio_v and major_minor(audio_v) != major_minor(torch_v):
+        findings.append(Finding("warn", name, f"torchaudio {audio_v} was built for another torch than "
+                                f"{torch_v} (vLLM {vllm_version}'s own pins); it can fail to load "
+                                "(a language-model-only serve does not need it)",
+                                "pip uninstall -y torchaudio"))
+    if serve is None:
+        findings.append(fix_verdict(env, name))
+        return findings
+    attention = serve.attention_config
+    if str(attention.get("indexer_kv_dtype", "fp8")).lower() == "mxfp4":
+        findings.append(Finding("error", name, "indexer_kv_dtype='mxfp4' requires SM10x (B200/GB200); "
+                                "SM120 rejects it at start-up",
+                                f"use {INDEXER_FP8_FLAG}"))
+    if attention.get("indexer_sparse_logits"):
+        findings.append(Finding("error", name, "indexer_sparse_logits needs the MXFP4 indexer cache, which "
+                                "SM120 does not support", "remove indexer_sparse_logits"))
+    block = serve.block_size
+    fixed = env.fix_state(name) == "applied"
+    if block == 64 and not fixed:
+        findings.append(Finding("warn", name, f"--block-size 64 fails at start-up: {INFO.error}"))
+    elif block in (None, 128) and not fixed:
+        findings.append(Finding("warn", name, "--block-size 128 starts, but page 32 reaches FlashInfer: "
+                                "that is the 32-token sliding-window cache of a SWA-only layer (not a "
+                                "ratio-2 page, as the report says); FlashInfer 0.7.0.post1 rejects it on the "
+                                "first request (page_block_size=32), and SM120's indexer takes only 64-state "
+                                "pages while ratio-1 layers get 128"))
+    if fixed:
+        geometry, why = geometry_decision(_engine_settings(serve))
+        findings.append(Finding("info", name, f"with the fix, --block-size no longer decides these pages on "
+                                f"SM12x; this line gets the {geometry} geometry ({why}); see the README "
+                                "for the KV capacity of each geometry"))
+    findings.append(Finding("info", name, "PR #56509 (64-token kernel blocks inside 128-token blocks) "
+                            "starts but writes ratio-1 latents through untranslated slots into other "
+                            "layers' pages: U+FFFD output; do not serve with it"))
+    if (serve.moe_backend or "auto") in ("triton", "b12x"):
+        findings.append(Finding("error", name, f"--moe-backend {serve.moe_backend} is not supported on SM120",
+                                f"leave it on auto (DEEPGEMM_MXFP4) or use {MOE_MARLIN_FLAG}"))
+    findings.append(fix_verdict(env, name))
+    return findings
+
+
+# Serve flags doctor suggests; tests check them with each affected release's own config classes.
+INDEXER_FP8_FLAG = "--attention-config '{\"indexer_kv_dtype\": \"fp8\"}'"
+MOE_MARLIN_FLAG = "--moe-backend marlin"
+
+
+def _engine_settings(serve) -> Any:
+    """The settings of a serve line that :func:`geometry_decision` reads, shaped
+    like a ``VllmConfig`` (unset ones absent)."""
+    import types
+
+    def present(value: bool) -> Any:
+        return object() if value else None
+
+    return types.SimpleNamespace(
+        speculative_config=present(serve.speculative),
+        kv_transfer_config=present(serve.kv_connector),
+        cache_config=types.SimpleNamespace(kv_offloading_size=1 if serve.kv_offloading else None),
+        parallel_config=types.SimpleNamespace(
+            decode_context_parallel_size=serve.decode_context_parallel_size,
+            prefill_context_parallel_size=serve.prefill_context_parallel_size),
+        attention_config=types.SimpleNamespace(hisparse_config=serve.attention_config.get("hisparse_config")),
+    )

@@ -207,7 +207,8 @@ def probe() -> str | None:
     if INTERFACE_MODULE in sys.modules:
         return functional_verdict()
     _fa4_package()
-    return source_screen()
+    from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
+    return cached_screen(sys.modules[__name__], source_screen)
 
 
 def _cute_fake_tensor_api() -> tuple[Any, Any, Any]:
@@ -422,10 +423,10 @@ def diagnose(env, serve) -> list:
     return findings
 
 
+# The serve flags doctor suggests when the fix is not applied; tests check them
+# with each affected release's own config classes.
 WORKAROUND_FLAGS = ("--attention-config '{\"mla_prefill_backend\": \"TRTLLM_RAGGED\"}'",
                     "--kernel-config '{\"enable_cutedsl_warmup\": false}'")
-"""The serve flags doctor suggests when the fix is not applied (tests parse
-them with each affected release's own argument parser)."""
 
 
 def _diagnose_fix_state(env):

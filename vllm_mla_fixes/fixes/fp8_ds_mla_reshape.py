@@ -137,7 +137,8 @@ def probe() -> str | None:
             f"an fp8_ds_mla page is {spec.page_size_bytes} bytes, not 64 x {FP8_DS_MLA_BYTES_PER_TOKEN}")
     if spec.kv_quant_mode is not KVQuantMode.NONE:
         return "MLAAttentionSpec already derives kv_quant_mode from fp8_ds_mla"
-    return source_screen()
+    from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
+    return cached_screen(sys.modules[__name__], source_screen)
 
 
 def source_screen() -> str | None:
@@ -213,3 +214,53 @@ def apply(patch: Patch) -> None:
         patch.replace_function(module, RESHAPE_FUNCTION, _with_layout_check(original))
 
     patch.when_imported(RESHAPE_MODULE, install_guard)
+
+
+# -- doctor ------------------------------------------------------------------------
+
+def diagnose(env, serve) -> list:
+    """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
+    :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
+    :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import SPARSE_MLA_ARCHITECTURES, Finding, fix_verdict
+
+    name = INFO.name
+    vllm_version = env.packages.get("vllm")
+    if not vllm_version or not INFO.admits(vllm_version):
+        return [Finding("ok", name, f"vLLM {vllm_version} does not have this bug "
+                        f"(affected: {', '.join(INFO.affected_releases)})")]
+    if serve is None:
+        return [Finding("info", name, f"vLLM {vllm_version} has this bug for sparse-MLA models "
+                        "(GLM-5.x, DeepSeek-V3.2) with --kv-cache-dtype fp8 on FLASHMLA_SPARSE"),
+                fix_verdict(env, name)]
+    findings = []
+    sparse = bool(set(serve.architectures) & SPARSE_MLA_ARCHITECTURES) or "index_topk" in serve.model_config
+    if not serve.model_config:
+        findings.append(Finding("info", name, f"cannot read the config of {serve.model!r} offline; "
+                                "assuming it may be a sparse-MLA model"))
+        sparse = True
+    fp8 = serve.kv_cache_dtype.startswith("fp8")
+    sm = env.capability[0] if env.capability else None
+    backend = serve.attention_backend or ("FLASHMLA_SPARSE" if sm == 9 else None)
+    if not (sparse and fp8):
+        findings.append(Finding("ok", name, "this line does not store fp8_ds_mla "
+                                f"(sparse MLA: {sparse}, --kv-cache-dtype {serve.kv_cache_dtype})"))
+        return findings
+    if backend not in ("FLASHMLA_SPARSE", None):
+        findings.append(Finding("ok", name, f"--attention-backend {backend}: this failure is "
+                                "specific to FLASHMLA_SPARSE"))
+        return findings
+    findings.append(Finding("warn", name, f"vLLM {vllm_version} + sparse MLA + --kv-cache-dtype "
+                            f"{serve.kv_cache_dtype} (stored as {FP8_DS_MLA}, "
+                            f"{FP8_DS_MLA_BYTES_PER_TOKEN} B/token) on "
+                            f"{backend or 'FLASHMLA_SPARSE (likely on this GPU)'} fails at start-up: "
+                            f"{INFO.error}"))
+    if serve.enforce_eager:
+        findings.append(Finding("warn", name, "--enforce-eager does not avoid this crash on 0.25.x: "
+                                "KV-cache initialisation fails the same way after profiling is skipped",
+                                "drop --enforce-eager once the fix is applied (it costs CUDA-graph speed)"))
+    if serve.kv_offloading or serve.prefix_caching:
+        findings.append(Finding("info", name, "KV offloading / prefix caching are not a factor: the "
+                                "reshape fails before either is used; no need to remove them"))
+    findings.append(fix_verdict(env, name))
+    return findings

@@ -1,0 +1,106 @@
+"""What ``doctor`` hands each fix's ``diagnose(env, serve)`` and gets back.
+
+A leaf module (it imports nothing of this package): the fix modules and ``doctor`` both
+import it, and it imports neither.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+SPARSE_MLA_ARCHITECTURES = frozenset({"GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"})
+MLA_ARCHITECTURES = SPARSE_MLA_ARCHITECTURES | {
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
+    "KimiK2ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "Mistral3ForConditionalGeneration",
+}
+
+
+@dataclasses.dataclass
+class Finding:
+    level: str  # "ok" | "info" | "warn" | "error"
+    topic: str
+    message: str
+    advice: str = ""
+
+
+@dataclasses.dataclass
+class Environment:
+    packages: dict[str, str | None]
+    gpu: str | None
+    capability: tuple[int, int] | None
+    torch_cuda: str | None
+    vllm_plugins: str | None
+    mla_fixes: str | None
+    fix_states: dict[str, dict[str, str]]  # fix name -> {"state": ..., "reason": ...}
+
+    def fix_state(self, name: str) -> str:
+        """``applied`` | ``not-needed`` | ``disabled`` | ``skipped`` | ``unknown`` | ``""``."""
+        return self.fix_states.get(name, {}).get("state", "")
+
+    def fix_reason(self, name: str) -> str:
+        return self.fix_states.get(name, {}).get("reason", "")
+
+
+@dataclasses.dataclass
+class ServeLine:
+    model: str | None
+    architectures: list[str]
+    model_config: dict
+    kv_cache_dtype: str
+    attention_backend: str | None
+    block_size: int | None
+    enforce_eager: bool
+    kv_offloading: bool
+    prefix_caching: bool | None
+    kernel_config: dict
+    attention_config: dict
+    tensor_parallel_size: int
+    moe_backend: str | None
+    speculative: bool
+    kv_connector: bool
+    decode_context_parallel_size: int
+    prefill_context_parallel_size: int
+    raw: list[str]
+
+
+def major_minor(version: str | None) -> tuple[int, ...] | None:
+    try:
+        return Version(version).release[:2] if version else None
+    except InvalidVersion:
+        return None
+
+
+def fix_verdict(env: Environment, name: str) -> Finding:
+    """Whether the plugin applies fix ``name`` in this environment, and if not, why."""
+    state = env.fix_state(name)
+    if state == "applied":
+        return Finding("ok", name, "the fix is applied in this environment", "run the same serve line")
+    if env.packages.get("vllm-mla-fixes") is None:
+        return Finding("error", name, "vllm-mla-fixes is not installed where vLLM runs", install_advice())
+    if env.vllm_plugins is not None and "mla_fixes" not in env.vllm_plugins.split(","):
+        return Finding("error", name, f"VLLM_PLUGINS={env.vllm_plugins!r} does not name mla_fixes, "
+                       "so vLLM never loads the fix", plugins_advice(env.vllm_plugins))
+    if state == "not-needed":
+        return Finding("info", name, f"the plugin does not apply the fix in this process "
+                       f"(not-needed: {env.fix_reason(name)}); each vLLM process decides again on "
+                       "its own GPU", "run doctor on the serving node to see the decision there")
+    described = f"{state}: {env.fix_reason(name)}" if state else "not evaluated"
+    return Finding("error", name, f"the fix is not applied here: {described}",
+                   "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix")
+
+
+def install_advice() -> str:
+    """The command that installs this copy of the package (it is not on PyPI)."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():  # running from a checkout
+        return f"pip install {shlex.quote(str(root))}"
+    return "install vllm-mla-fixes into this environment (see its README)"
+
+
+def plugins_advice(vllm_plugins: str) -> str:
+    """The VLLM_PLUGINS setting that keeps the named plugins and loads this one."""
+    plugins = ",".join(p for p in (*vllm_plugins.split(","), "mla_fixes") if p)
+    return f"export VLLM_PLUGINS={plugins}   (or unset VLLM_PLUGINS: then vLLM loads every plugin)"

@@ -1,0 +1,105 @@
+"""Remember a fix's source screen across processes, keyed by the bytes it read.
+
+A fix's ``source_screen()`` parses vLLM source files (``ast.parse`` of files up
+to 250 KB) to decide whether the installed code is the reviewed shape of the
+bug.  vLLM loads plugins in every process it starts (API server, engine core,
+each worker), so parsing there costs each process ~0.1 s.  The verdict is a
+pure function of those files' contents and of this package's code, so it is
+stored under a key made of:
+
+* the sha256 of every source file of the modules in the fix's ``REVIEWED``
+  table (a test checks that a screen reads no other vLLM file);
+* the sha256 of the fix module's own source and of ``patching.py``.
+
+Hashing the files costs about a millisecond; any change to any of them is a
+different key, so a hand-edited vLLM file is screened again.  Only verdicts are
+stored (``None`` = the bug's code is there, or the reason it is not); a screen
+that raises is never cached.  Any problem with the cache directory (read-only
+home, corrupt entry) falls back to running the screen.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+
+CACHE_DIR_ENV = "VLLM_MLA_FIXES_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vllm-mla-fixes" / "screens"
+
+
+def source_file(module_name: str) -> Path | None:
+    """The ``.py`` file of a module, found without importing it or its parents."""
+    top, *parts = module_name.split(".")
+    spec = importlib.util.find_spec(top)
+    for root in (spec.submodule_search_locations or ()) if spec else ():
+        base = Path(root, *parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _digest(paths: Iterable[Path | None], names: Iterable[str]) -> str:
+    digest = hashlib.sha256()
+    for name, path in zip(names, paths):
+        digest.update(name.encode() + b"\0")
+        digest.update(path.read_bytes() if path is not None else b"<no source>")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def screen_key(fix: ModuleType) -> str:
+    """The content key of ``fix``'s source screen on the installed vLLM."""
+    from vllm_mla_fixes import patching
+
+    modules = sorted({module for module, _ in fix.REVIEWED})
+    own = [Path(fix.__file__), Path(patching.__file__)]
+    return _digest([*own, *(source_file(m) for m in modules)],
+                   [fix.__name__, patching.__name__, *modules])
+
+
+def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
+    """``screen()``'s verdict, from the cache when the key matches."""
+    try:
+        key = screen_key(fix)
+    except OSError:  # a file cannot be read: no key, so no cache
+        return screen()
+    entry = cache_dir() / f"{fix.INFO.name}-{key[:32]}.json"
+    try:
+        stored = json.loads(entry.read_text(encoding="utf-8"))
+        if stored.get("key") == key and set(stored) == {"key", "verdict"}:
+            verdict = stored["verdict"]
+            if verdict is None or isinstance(verdict, str):
+                return verdict
+    except (OSError, ValueError, AttributeError):
+        pass  # no entry yet, or an unreadable one: screen again
+    verdict = screen()
+    try:
+        _store(entry, {"key": key, "verdict": verdict})
+    except OSError:
+        pass
+    return verdict
+
+
+def _store(entry: Path, payload: dict) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f)
+        os.replace(temporary, entry)  # atomic: processes started together never see half a file
+    except BaseException:
+        os.unlink(temporary)
+        raise
