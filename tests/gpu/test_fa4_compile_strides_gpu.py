@@ -2,18 +2,24 @@
 
 The tiny DeepSeek-V3-style MLA model shipped in the package (2 dense layers,
 8 heads = Kimi-K2.5 per rank at TP8), dummy weights, ``max_model_len`` 10240,
-chunked prefill at 8192 tokens, MLA prefill through FA (FA4 on SM100),
-token-ID prompts of 8300-10000 tokens: the second prefill chunk of each long
-prompt runs FA4's Split-KV context-chunk kernel compiled by vLLM's warm-up.
+chunked prefill at 8192 tokens, MLA prefill through FA (FA4 on SM100), one
+prompt per step (``max_num_seqs=1``): the second prefill chunk of each
+prompt over 8192 tokens takes FA4's Split-KV context-chunk kernel with a
+``total_q`` warm-up never compiled (see ``fa4_llm_case.py``).
+
+Every run carries the call probe (``inprocess/call_probes.py``): each FA4
+forward call in the vLLM process is logged with its ``total_q`` and FA4's own
+Split-KV decision, so each test first proves the run reached the buggy path
+and only then judges the outcome.
 
 * ``LLM(...)`` in a child process per case: without the plugin
   (``VLLM_PLUGINS=""``) 0.25.x dies with the report's error; with the plugin,
   and without it but with warm-up disabled (the workaround), every prompt
   gets its 8 tokens; 0.26+ passes without the plugin.
-* The report's load at small scale: ``vllm serve`` with the plugin, then
-  ``vllm bench serve --dataset-name random --random-input-len 8192
-  --random-output-len 1024 --num-prompts 160 --max-concurrency 16``: 160/160,
-  no HTTP 500.
+* ``vllm serve`` + ``vllm bench serve --dataset-name random`` (9000 +- 5 %
+  token prompts, one at a time in the engine), with and without the plugin:
+  no failed request and no HTTP 500 with it; without it on 0.25.x the
+  report's error and failed requests.
 
 Skips elsewhere with the reason: an H100/H200 (SM90) runs MLA prefill on FA3
 and never reaches this FA4 code.
@@ -29,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu.inprocess.call_probes import LOG_ENV, new_split_kv_calls, read_log
 from gpu.serving import require_gpu, running_server
 from vllm_mla_fixes.fixes.fa4_compile_strides import INFO
 
@@ -39,6 +46,21 @@ UPSTREAM_ERROR = re.compile(
     r"Tensor\(\[n0, n1, n2\], bfloat16\).*output_scale: None\)`, expected to be \d+")
 PATCHED_LINE = "vllm-mla-fixes: fa4-compile-strides: patched"
 CASE_TIMEOUT_S = 1800
+PROBE_DIR = Path(__file__).with_name("inprocess")
+PROBE_CODE = ("from vllm_mla_fixes.fixes import fa4_compile_strides as f; "
+              "print('BUG=%s' % (f.functional_verdict() is None))")
+
+
+def probe_verdict(returncode: int, stdout: str, stderr: str) -> bool:
+    """The fix's functional probe, from its child's output: True if this
+    install has the bug.  A child that printed no verdict (it crashed, or
+    FA4's CuTe code did not import) fails the test with its stderr -- it must
+    not read as "not affected"."""
+    verdict = re.search(r"^BUG=(True|False)$", stdout, re.MULTILINE)
+    if verdict is None:
+        pytest.fail(f"the fa4-compile-strides probe printed no BUG= line (exit {returncode}); "
+                    f"stderr:\n{stderr[-6000:]}", pytrace=False)
+    return verdict.group(1) == "True"
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +71,9 @@ def sm100():
 
     installed = version("vllm")
     # the fix's own functional probe on this install (a child: it imports FA4's CuTe code)
-    probe = subprocess.run(
-        [sys.executable, "-c", "from vllm_mla_fixes.fixes import fa4_compile_strides as f; "
-                               "print('BUG=%s' % (f.functional_verdict() is None))"],
-        capture_output=True, text=True, timeout=600)
-    has_bug = "BUG=True" in probe.stdout
+    probe = subprocess.run([sys.executable, "-c", PROBE_CODE], capture_output=True, text=True,
+                           timeout=600)
+    has_bug = probe_verdict(probe.returncode, probe.stdout, probe.stderr)
     return {"capability": capability, "vllm": installed, "affected": INFO.admits(installed) and has_bug}
 
 
@@ -63,13 +83,17 @@ def _results_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _env(**changes: str | None) -> dict[str, str]:
+def _env(call_log: Path, **changes: str | None) -> dict[str, str]:
+    """This process's environment with ``changes`` (None removes), plus the
+    call probe for every Python process the run starts."""
     env = dict(os.environ)
     for key, value in changes.items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = value
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE_DIR), env.get("PYTHONPATH")]))
+    env[LOG_ENV] = str(call_log)
     return env
 
 
@@ -81,12 +105,33 @@ def run_case(env: dict, *extra: str) -> tuple[int, str, dict | None]:
     return proc.returncode, log, json.loads(line[len("RESULT="):]) if line else None
 
 
-def _record(tmp_path_factory, name: str, returncode: int, log: str, result) -> None:
+def split_kv_summary(call_log: Path) -> dict:
+    """What the call probe saw: FA4 calls, and the real Split-KV calls with a
+    total_q warm-up did not compile (the only calls that can hit #49200)."""
+    records = read_log(call_log)
+    fa4 = [r for r in records if r.get("probe") == "fa4"]
+    new = new_split_kv_calls(records)
+    return {"probe_installed": any(r.get("probe") == "install" for r in records),
+            "fa4_calls": len(fa4),
+            "warmup_total_q": sorted({r["total_q"] for r in fa4 if r["compile_only"]
+                                      and r["total_q"] is not None}),
+            "new_split_kv": [{k: r.get(k) for k in ("total_q", "num_splits", "error")} for r in new],
+            "probe_errors": [r["probe_error"] for r in records if "probe_error" in r]}
+
+
+def assert_reached_new_split_kv(summary: dict) -> None:
+    """The run exercised the kernel the bug is in; otherwise a pass proves nothing."""
+    assert summary["probe_installed"] and not summary["probe_errors"], summary
+    assert summary["new_split_kv"], (
+        f"no FA4 Split-KV call with a total_q warm-up did not compile: {summary}")
+
+
+def _record(tmp_path_factory, name: str, returncode: int, log: str, result, summary: dict) -> None:
     match = UPSTREAM_ERROR.search(log)
     (_results_dir(tmp_path_factory) / f"{name}.json").write_text(json.dumps({
         "returncode": returncode, "result": result,
         "upstream_error": match.group(0) if match else None,
-        "patched": PATCHED_LINE in log}, indent=2))
+        "patched": PATCHED_LINE in log, "calls": summary}, indent=2))
 
 
 def _assert_all_served(returncode: int, log: str, result) -> None:
@@ -95,28 +140,45 @@ def _assert_all_served(returncode: int, log: str, result) -> None:
     assert not UPSTREAM_ERROR.search(log)
 
 
-def test_llm_without_plugin(sm100, tmp_path_factory):
-    returncode, log, result = run_case(_env(VLLM_PLUGINS=""))
-    _record(tmp_path_factory, "fa4_llm_without_plugin", returncode, log, result)
+def test_llm_without_plugin(sm100, tmp_path, tmp_path_factory):
+    """Proves: unpatched 0.25.x dies with #49200 on the first new-total_q Split-KV call."""
+    calls = tmp_path / "calls.jsonl"
+    returncode, log, result = run_case(_env(calls, VLLM_PLUGINS=""))
+    summary = split_kv_summary(calls)
+    _record(tmp_path_factory, f"fa4_llm_without_plugin_{sm100['vllm']}", returncode, log, result,
+            summary)
+    assert_reached_new_split_kv(summary)
     if sm100["affected"]:
-        assert returncode != 0 and result is None
+        assert returncode != 0 and result is None, log[-6000:]
         assert UPSTREAM_ERROR.search(log), log[-6000:]
+        assert UPSTREAM_ERROR.search(summary["new_split_kv"][0]["error"] or ""), summary
     else:
         _assert_all_served(returncode, log, result)
 
 
-def test_llm_with_plugin(sm100, tmp_path_factory):
-    returncode, log, result = run_case(_env(VLLM_PLUGINS=None, VLLM_MLA_FIXES="all"))
-    _record(tmp_path_factory, "fa4_llm_with_plugin", returncode, log, result)
+def test_llm_with_plugin(sm100, tmp_path, tmp_path_factory):
+    """Proves: with the fix every new-total_q Split-KV call runs and every prompt completes."""
+    calls = tmp_path / "calls.jsonl"
+    returncode, log, result = run_case(_env(calls, VLLM_PLUGINS=None, VLLM_MLA_FIXES="all"))
+    summary = split_kv_summary(calls)
+    _record(tmp_path_factory, f"fa4_llm_with_plugin_{sm100['vllm']}", returncode, log, result,
+            summary)
+    assert_reached_new_split_kv(summary)
     _assert_all_served(returncode, log, result)
+    assert not any(call["error"] for call in summary["new_split_kv"]), summary
     if sm100["affected"]:
         assert PATCHED_LINE in log, log[-6000:]
 
 
-def test_llm_without_plugin_warmup_disabled_workaround(sm100, tmp_path_factory):
-    returncode, log, result = run_case(_env(VLLM_PLUGINS=""), "--kernel-config",
+def test_llm_without_plugin_warmup_disabled_workaround(sm100, tmp_path, tmp_path_factory):
+    """Proves: the documented workaround (no CuTe DSL warm-up) serves the same Split-KV calls."""
+    calls = tmp_path / "calls.jsonl"
+    returncode, log, result = run_case(_env(calls, VLLM_PLUGINS=""), "--kernel-config",
                                        json.dumps({"enable_cutedsl_warmup": False}))
-    _record(tmp_path_factory, "fa4_llm_warmup_disabled", returncode, log, result)
+    summary = split_kv_summary(calls)
+    _record(tmp_path_factory, f"fa4_llm_warmup_disabled_{sm100['vllm']}", returncode, log, result,
+            summary)
+    assert_reached_new_split_kv(summary)
     _assert_all_served(returncode, log, result)
 
 
@@ -135,36 +197,77 @@ def write_word_tokenizer(directory: Path, vocab_size: int = 32000) -> None:
                             eos_token="</s>").save_pretrained(directory)
 
 
-def test_bench_serve_random_8192_with_plugin(sm100, tmp_path, tmp_path_factory):
+# ``vllm bench serve``'s random dataset: 16 prompts of 8550-9450 tokens (fixed
+# seed).  The engine takes one at a time, so each prompt's second chunk is a
+# Split-KV context chunk of its own 358-1258 new tokens.
+BENCH_PROMPTS = 16
+BENCH_ARGS = ["--dataset-name", "random", "--random-input-len", "9000", "--random-range-ratio",
+              "0.05", "--random-output-len", "16", "--num-prompts", str(BENCH_PROMPTS),
+              "--max-concurrency", "4", "--seed", "0"]
+SERVE_ARGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "10240",
+              "--max-num-batched-tokens", "8192", "--max-num-seqs", "1",
+              "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+              "--attention-config", json.dumps({"mla_prefill_backend": "FLASH_ATTN"})]
+
+
+def bench_serve(tmp_path: Path, env: dict) -> tuple[dict, str, subprocess.CompletedProcess | None]:
     model = tmp_path / "tiny_deepseek_v3_mla"
     model.mkdir()
     (model / "config.json").write_text((MODEL / "config.json").read_text())
     write_word_tokenizer(model)
-    env = _env(VLLM_PLUGINS=None, VLLM_MLA_FIXES="all")
     serve_log = tmp_path / "serve.log"
-    serve_args = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "10240",
-                  "--max-num-batched-tokens", "8192", "--max-num-seqs", "16",
-                  "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
-                  "--attention-config", json.dumps({"mla_prefill_backend": "FLASH_ATTN"})]
-    with running_server(model, serve_args, env, serve_log) as server:
-        assert server.healthy, serve_log.read_text(errors="replace")[-6000:]
-        bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-                 "--model", str(model), "--tokenizer", str(model), "--host", "127.0.0.1",
-                 "--port", str(server.port), "--dataset-name", "random", "--random-input-len", "8192",
-                 "--random-output-len", "1024", "--num-prompts", "160", "--max-concurrency", "16",
-                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
-        proc = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
-    server_text = serve_log.read_text(errors="replace")
-    result = json.loads((tmp_path / "bench.json").read_text()) if (tmp_path / "bench.json").exists() else {}
-    (_results_dir(tmp_path_factory) / "fa4_bench_serve_with_plugin.json").write_text(json.dumps({
+    proc = None
+    with running_server(model, SERVE_ARGS, env, serve_log) as server:
+        if server.healthy:
+            bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+                     "--model", str(model), "--tokenizer", str(model), "--host", "127.0.0.1",
+                     "--port", str(server.port), *BENCH_ARGS, "--save-result",
+                     "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+            proc = subprocess.run(bench, env=env, capture_output=True, text=True,
+                                  timeout=CASE_TIMEOUT_S)
+    result_file = tmp_path / "bench.json"
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    return result, serve_log.read_text(errors="replace"), proc
+
+
+def _record_bench(tmp_path_factory, name: str, result: dict, server_text: str, summary: dict):
+    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(json.dumps({
         "completed": result.get("completed"), "failed": result.get("failed"),
         "http_500": len(re.findall(r'HTTP/1\.1" 500', server_text)),
         "upstream_error": bool(UPSTREAM_ERROR.search(server_text)),
-        "patched": PATCHED_LINE in server_text}, indent=2))
+        "patched": PATCHED_LINE in server_text, "calls": summary}, indent=2))
+
+
+def test_bench_serve_random_9000_with_plugin(sm100, tmp_path, tmp_path_factory):
+    """Proves: the served plugin takes the report's kind of load through new-total_q Split-KV."""
+    calls = tmp_path / "calls.jsonl"
+    env = _env(calls, VLLM_PLUGINS=None, VLLM_MLA_FIXES="all")
+    result, server_text, proc = bench_serve(tmp_path, env)
+    summary = split_kv_summary(calls)
+    _record_bench(tmp_path_factory, f"fa4_bench_serve_with_plugin_{sm100['vllm']}", result,
+                  server_text, summary)
+    assert proc is not None, server_text[-6000:]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert result.get("completed") == 160, {k: result.get(k) for k in ("completed", "failed")}
+    assert_reached_new_split_kv(summary)
+    assert result.get("completed") == BENCH_PROMPTS, {k: result.get(k) for k in ("completed", "failed")}
     assert not result.get("failed")
     assert not re.search(r'HTTP/1\.1" 500', server_text)
     assert not UPSTREAM_ERROR.search(server_text)
     if sm100["affected"]:
         assert PATCHED_LINE in server_text
+
+
+def test_bench_serve_random_9000_without_plugin(sm100, tmp_path, tmp_path_factory):
+    """Proves: the same load fails on unpatched 0.25.x (so the twin above can fail too)."""
+    calls = tmp_path / "calls.jsonl"
+    result, server_text, proc = bench_serve(tmp_path, _env(calls, VLLM_PLUGINS=""))
+    summary = split_kv_summary(calls)
+    _record_bench(tmp_path_factory, f"fa4_bench_serve_without_plugin_{sm100['vllm']}", result,
+                  server_text, summary)
+    assert proc is not None, server_text[-6000:]
+    assert_reached_new_split_kv(summary)
+    if sm100["affected"]:
+        assert UPSTREAM_ERROR.search(server_text), server_text[-6000:]
+        assert result.get("completed", 0) < BENCH_PROMPTS, result
+    else:
+        assert result.get("completed") == BENCH_PROMPTS and not result.get("failed"), result

@@ -40,6 +40,7 @@ def _record(tmp_path_factory, name, result):
 
 
 def test_without_fix_reproduces_the_upstream_error(gpu, tmp_path, tmp_path_factory):
+    """Proves: unpatched 0.25.x cannot start the report's serve line (the report's reshape error)."""
     result = serve(TINY_GLM_DSA.parent, FLAGS, {"VLLM_MLA_FIXES": "none"}, tmp_path / "serve.log",
                    startup_timeout=600)
     _record(tmp_path_factory, "fp8_without_fix", result)
@@ -48,8 +49,7 @@ def test_without_fix_reproduces_the_upstream_error(gpu, tmp_path, tmp_path_facto
 
 
 def test_without_fix_enforce_eager_fails_at_kv_cache_init(gpu, tmp_path, tmp_path_factory):
-    """The report's workaround: our CPU reproduction says the normal KV-cache
-    initialisation fails the same way; this records what the GPU does."""
+    """Proves: the report's workaround (--enforce-eager) fails the same way at KV-cache start-up."""
     result = serve(TINY_GLM_DSA.parent, [*FLAGS, "--enforce-eager"], {"VLLM_MLA_FIXES": "none"},
                    tmp_path / "serve.log", startup_timeout=600)
     _record(tmp_path_factory, "fp8_without_fix_enforce_eager", result)
@@ -58,6 +58,7 @@ def test_without_fix_enforce_eager_fails_at_kv_cache_init(gpu, tmp_path, tmp_pat
 
 
 def test_with_fix_serves_completions_with_cuda_graphs(gpu, tmp_path, tmp_path_factory):
+    """Proves: with the fix the same serve line starts with CUDA graphs and completes requests."""
     result = serve(TINY_GLM_DSA.parent, FLAGS, {"VLLM_MLA_FIXES": "all"}, tmp_path / "serve.log",
                    prompts=PROMPTS)
     _record(tmp_path_factory, "fp8_with_fix", result)

@@ -1,0 +1,264 @@
+"""The parts of the GPU regression tests (``tests/gpu``) a CPU can run, run
+against the real releases, so that each GPU test is shown -- by construction
+-- to reach the bug and to be able to fail.
+
+* FA4 (vLLM 0.25.1): vLLM's own scheduler and FA4's own Split-KV decision
+  put every second chunk of ``fa4_llm_case.py``'s prompts on Split-KV with a
+  ``total_q`` warm-up never compiled; the old plan (16 prompts per step)
+  never reached Split-KV.  The GPU tests' call probe records each of those
+  decisions exactly, on FA4's real interface.
+* The fa4 fixture's probe: a child that prints no ``BUG=`` line -- here the
+  real probe on a machine where FA4 cannot import -- fails the fixture with
+  the child's stderr.
+* DeepSeek-V4.1 (vLLM 0.32.0/0.33.0): the GPU test's PyTorch decode reads
+  the CPU harness's pages exactly as the harness's FlashInfer-like reader
+  does; against the dense truth it is within ``ATTENTION_TOLERANCE`` for the
+  geometry the fix builds, and orders of magnitude outside it for the
+  split-untranslated geometry, which also reads records never written.
+* Declared GPU: with ``VLLM_MLA_FIXES_EXPECT_GPU_CC`` a "no GPU" skip fails,
+  a session with no passed test fails, and the preflight fails on a machine
+  without the GPU; without the variable all of it stays a skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+GPU_TESTS = TESTS / "gpu"
+ROOT = TESTS.parent
+
+
+def _cpu_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_MLA_FIXES_EXPECT_GPU_CC"}
+    return {**env, "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+# ------------------------------------------------------------------- FA4
+
+def _fa4_step_plan(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(GPU_TESTS / "fa4_step_plan.py"), *args],
+                          env=_cpu_env(VLLM_PLUGINS=""), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def fa4_plan():
+    return _fa4_step_plan()
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fa4_case_puts_every_second_chunk_on_split_kv_with_a_new_total_q(fa4_plan):
+    from gpu import fa4_llm_case
+
+    long_prompts = [n for n in fa4_llm_case.PROMPT_LENS if n > 8192]
+    chunks = fa4_plan["chunks"]
+    assert fa4_plan["warmup_q"] == [1, 129]
+    # one context chunk per long prompt, alone in its step: its own tail
+    assert [c["q_lens"] for c in chunks] == [[n - 8192] for n in long_prompts]
+    assert all(c["ctx_lens"] == [8192] for c in chunks)
+    for chunk in chunks:
+        assert chunk["num_splits"] > 1, chunk
+        assert chunk["total_q"] not in fa4_plan["warmup_q"], chunk
+    print({c["total_q"]: c["num_splits"] for c in chunks})
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fa4_call_probe_records_fa4s_own_split_decisions(fa4_plan):
+    """The GPU tests judge a run by the probe's records: they must be FA4's decisions."""
+    probed = [(r["total_q"], r["num_splits"]) for r in fa4_plan["probe"]]
+    assert probed == [(c["total_q"], c["num_splits"]) for c in fa4_plan["chunks"]]
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fa4_old_case_never_reached_split_kv():
+    """Issue 10's finding: 16 prompts per step leave no context chunk on Split-KV."""
+    plan = _fa4_step_plan("--max-num-seqs", "16")
+    assert plan["chunks"] and all(c["num_splits"] == 1 for c in plan["chunks"]), plan["chunks"]
+
+
+def test_new_split_kv_calls_needs_split_and_a_total_q_warmup_did_not_compile():
+    from gpu.inprocess.call_probes import new_split_kv_calls
+
+    warm = [{"probe": "fa4", "compile_only": True, "total_q": q, "num_splits": 0 if q == 1 else 16}
+            for q in (1, 129)]
+    real = [{"probe": "fa4", "compile_only": False, "total_q": q, "num_splits": s}
+            for q, s in ((129, 16), (308, 8), (8192, 1), (1, 16))]
+    assert [r["total_q"] for r in new_split_kv_calls(warm + real)] == [308, 1]
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fa4_probe_without_a_verdict_fails_the_fixture():
+    """On CPU the fix's real probe cannot import FA4: the child prints no BUG= line."""
+    from gpu.test_fa4_compile_strides_gpu import PROBE_CODE, probe_verdict
+
+    proc = subprocess.run([sys.executable, "-c", PROBE_CODE], env=_cpu_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert "BUG=" not in proc.stdout
+    with pytest.raises(pytest.fail.Exception) as failure:
+        probe_verdict(proc.returncode, proc.stdout, proc.stderr)
+    message = str(failure.value)
+    assert "printed no BUG= line" in message and "vllm.vllm_flash_attn" in message, message
+    assert probe_verdict(0, "BUG=True\n", "") is True
+    assert probe_verdict(0, "BUG=False\n", "") is False
+
+
+# --------------------------------------------------------------- DSV4.1
+
+@pytest.fixture(scope="module")
+def harness_reads():
+    """Per geometry: for each decoded layer of the CPU harness, the GPU
+    probe's decode of the pages and the harness's paged and dense decodes.
+    The harness allocates its caches filled with 0 here, as vLLM does."""
+    import dsv41_harness  # noqa: F401  (TRITON_INTERPRET before vLLM)
+    from dsv41_harness import reference, run
+    from gpu.inprocess import call_probes
+
+    runs = {}
+    for geometry in ("plugin", "split-untranslated"):
+        captured = []
+        harness_decode, harness_figures = reference.sm120_sparse_decode, reference.error_figures
+
+        def decode(q, swa_cache, swa_idx, swa_lens, extra_cache, extra_idx, extra_lens, sink, scale):
+            import torch
+
+            paged = harness_decode(q, swa_cache, swa_idx, swa_lens, extra_cache, extra_idx,
+                                   extra_lens, sink, scale)
+            probe = torch.empty(q.shape, dtype=torch.float32)
+            read, unwritten = call_probes.reference_sparse_mla(
+                query=q, swa_kv_cache=swa_cache, sparse_indices=swa_idx, swa_topk_lens=swa_lens,
+                out=probe, bmm1_scale=scale, sinks=sink, compressed_kv_cache=extra_cache,
+                extra_sparse_indices=extra_idx, extra_sparse_topk_lens=extra_lens)
+            captured.append({"paged": paged, "probe": probe, "read": read, "unwritten": unwritten})
+            return paged
+
+        def figures(got, want):
+            entry = captured[-1]
+            if "dense" not in entry:  # the first figure of a layer: paged vs dense
+                entry["dense"] = want
+            return harness_figures(got, want)
+
+        saved = run.SENTINEL, reference.sm120_sparse_decode, reference.error_figures
+        run.SENTINEL, reference.sm120_sparse_decode, reference.error_figures = 0, decode, figures
+        try:
+            runs[geometry] = captured, run.run_harness(geometry)
+        finally:
+            run.SENTINEL, reference.sm120_sparse_decode, reference.error_figures = saved
+    return runs
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0")
+def test_dsv41_probe_reads_pages_as_the_harness_reader(harness_reads):
+    from gpu.inprocess.call_probes import relative_error
+
+    for geometry, (captured, _) in harness_reads.items():
+        assert captured, geometry
+        for layer in captured:
+            assert relative_error(layer["probe"], layer["paged"]) < 1e-5, geometry
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0")
+def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harness_reads):
+    """The GPU comparison's tolerance holds for the fix and is exceeded by orders of
+    magnitude by a wrong page; a broken geometry also reads unwritten records."""
+    from gpu.inprocess.call_probes import relative_error
+    from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
+
+    errors = {g: [relative_error(layer["probe"], layer["dense"]) for layer in captured]
+              for g, (captured, _) in harness_reads.items()}
+    unwritten = {g: sum(layer["unwritten"] for layer in captured)
+                 for g, (captured, _) in harness_reads.items()}
+    print({g: (f"{max(e):.3g}", unwritten[g]) for g, e in errors.items()})
+    fixed, broken = harness_reads["plugin"][1], harness_reads["split-untranslated"][1]
+    assert fixed.guard_error is None and broken.guard_error is None
+    assert max(errors["plugin"]) <= ATTENTION_TOLERANCE, errors
+    assert unwritten["plugin"] == 0
+    assert max(errors["split-untranslated"]) >= 100 * ATTENTION_TOLERANCE, errors
+    assert unwritten["split-untranslated"] > 0
+
+
+# ---------------------------------------------------------- declared GPU
+
+def test_declared_gpu_turns_skip_into_failure_only_for_the_declared_gpu():
+    from gpu.conftest import skip_is_failure
+
+    no_gpu = "needs a CUDA GPU with compute capability 12.x: the 64-row page geometry ..."
+    assert skip_is_failure(no_gpu, 12) and not skip_is_failure(no_gpu, None)
+    assert not skip_is_failure("this GPU is SM120; needs SM10x: FA4 ...", 12)
+    assert skip_is_failure("this GPU is SM90; needs SM12x: ...", 12)
+    assert not skip_is_failure("this GPU is SM100; needs SM9x/SM10x: ...", 10)
+    assert not skip_is_failure("needs vLLM >=0.25.0,<0.26.0, found 0.32.0", 12)
+
+
+def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           *args], cwd=ROOT, env=_cpu_env(**env), capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_gpu_tests_on_a_machine_without_the_declared_gpu():
+    """No GPU here: the GPU tests skip; declared, the same skips fail the session."""
+    target = str(GPU_TESTS / "test_fp8_ds_mla_reshape_gpu.py")
+    plain = _pytest(target)
+    assert plain.returncode == 0 and "3 skipped" in plain.stdout, plain.stdout[-3000:]
+    declared = _pytest(target, VLLM_MLA_FIXES_EXPECT_GPU_CC="9")
+    assert declared.returncode == 1, declared.stdout[-3000:]
+    assert "3 errors" in declared.stdout, declared.stdout[-3000:]  # the fixture skipped
+    assert "VLLM_MLA_FIXES_EXPECT_GPU_CC=9 declares an SM9x GPU on this runner, but the test " \
+           "skipped: needs a CUDA GPU" in declared.stdout, declared.stdout[-3000:]
+
+
+def test_declared_gpu_session_with_no_passed_test_fails(tmp_path):
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from gpu.conftest import pytest_runtest_makereport, pytest_sessionfinish  # noqa: F401
+        """))
+    (tmp_path / "test_other_release.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        def test_for_another_release():
+            pytest.skip("needs vLLM >=0.32.0,<0.35.0, found 0.25.1")
+        """))
+    plain = _pytest(str(tmp_path), "--rootdir", str(tmp_path))
+    assert plain.returncode == 0, plain.stdout[-3000:]
+    declared = _pytest(str(tmp_path), "--rootdir", str(tmp_path), VLLM_MLA_FIXES_EXPECT_GPU_CC="12")
+    assert declared.returncode == 1, declared.stdout[-3000:]
+    assert "1 skipped" in declared.stdout and "no GPU test passed" in declared.stdout
+
+
+def test_preflight_fails_only_where_a_gpu_is_declared():
+    script = str(GPU_TESTS / "preflight.py")
+    plain = subprocess.run([sys.executable, script], env=_cpu_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    declared = subprocess.run([sys.executable, script], env=_cpu_env(VLLM_MLA_FIXES_EXPECT_GPU_CC="12"),
+                              capture_output=True, text=True, timeout=300)
+    assert declared.returncode == 1, declared.stdout + declared.stderr
+    assert "torch.cuda.is_available() is False" in declared.stderr
+
+
+def test_cuda_toolkit_env_points_at_the_locked_nvcc(tmp_path):
+    """The gpu nox sessions' CUDA_HOME: the lock's nvidia/cu13 wheels, with nvcc and cudart."""
+    sys.path.insert(0, str(GPU_TESTS))
+    try:
+        import cuda_toolkit
+    finally:
+        sys.path.remove(str(GPU_TESTS))
+    if cuda_toolkit.locked_toolkit() is None:
+        pytest.skip("this release's lock has no nvidia/cu13 toolkit wheels")
+    env = cuda_toolkit.toolkit_env(tmp_path / "links")
+    home = Path(env["CUDA_HOME"])
+    version = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True,
+                             text=True, timeout=120)
+    assert version.returncode == 0 and "release 13." in version.stdout, version.stdout + version.stderr
+    assert (home / "include" / "cuda_runtime.h").exists()
+    assert (tmp_path / "links" / "libcudart.so").resolve().exists()
+    assert f"-L{tmp_path / 'links'}" in env["FLASHINFER_EXTRA_LDFLAGS"]
