@@ -72,6 +72,10 @@ def screen_key(fix: ModuleType) -> str:
 
 def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
     """``screen()``'s verdict, from the cache when the key matches."""
+    from vllm_mla_fixes import patching
+
+    if patching._source_root is not None:  # screening another tree (review): not the installed files
+        return screen()
     try:
         key = screen_key(fix)
     except OSError:  # a file cannot be read: no key, so no cache
