@@ -43,10 +43,10 @@ EXTRA_PINS = {
 # Requirements that replace a release's own pin, with the reason (uv's
 # --override).  vLLM 0.34.0 pins flashinfer-python==0.7.3, which was never
 # published on PyPI (0.7.2.post1 and 0.7.4 are), so `vllm==0.34.0` does not
-# resolve at all.  0.7.4 is the nearest release that is not older than the pin:
-# 0.34.0's code asks for at least 0.7.2 (specialized decode's
-# MIN_FLASHINFER_VERSION, FLASHINFER_TS >= 0.7.1) and adapts 0.7.3
-# development code, which 0.7.2.post1 predates.
+# resolve at all.  0.7.4 is the nearest release not older than the pin, and
+# every name 0.34.0 imports from flashinfer (179) exists in it; 0.7.2.post1
+# lacks two of them (prims_ts.BatchSparseMLADecodePagedTSWrapper and
+# get_prims_ts_sparse_mla_decode_workspace_size, used by Kimi-K3's decode).
 OVERRIDES = {
     "0.34.0": ("flashinfer-python==0.7.4",),
 }
@@ -104,21 +104,8 @@ def _verify_session(release: str):
 
 def _gpu_session(release: str):
     def session_func(session: nox.Session) -> None:
-        import json
-
         _install(session, release)
-        gpu_tests = ROOT / "tests" / "gpu"
-        # FlashInfer JIT-compiles with nvcc: point it at the lock's CUDA toolkit wheels.
-        printed = session.run("python", str(gpu_tests / "cuda_toolkit.py"), silent=True)
-        toolkit = json.loads(printed.strip().splitlines()[-1])
-        env = {key: value for key, value in toolkit.items() if key != "CUDA_TOOLKIT_BIN"}
-        if "CUDA_TOOLKIT_BIN" in toolkit:
-            env["PATH"] = os.pathsep.join([toolkit["CUDA_TOOLKIT_BIN"], session.bin,
-                                           os.environ.get("PATH", "")])
-        # Fails the job when the GPU that VLLM_MLA_FIXES_EXPECT_GPU_CC declares is unusable.
-        session.run("python", str(gpu_tests / "preflight.py"), env=env)
-        session.run("pytest", "--vllm-release", release, "-rs", str(gpu_tests), *session.posargs,
-                    env=env)
+        session.run("pytest", "--vllm-release", release, "-rs", str(ROOT / "tests" / "gpu"), *session.posargs)
 
     session_func.__doc__ = f"GPU regression tests on vLLM {release} (a GPU runner; skips elsewhere)."
     return nox.session(python="3.11", name=f"gpu-{release}", tags=["gpu"], default=False)(session_func)
