@@ -104,8 +104,21 @@ def _verify_session(release: str):
 
 def _gpu_session(release: str):
     def session_func(session: nox.Session) -> None:
+        import json
+
         _install(session, release)
-        session.run("pytest", "--vllm-release", release, "-rs", str(ROOT / "tests" / "gpu"), *session.posargs)
+        gpu_tests = ROOT / "tests" / "gpu"
+        # FlashInfer JIT-compiles with nvcc: point it at the lock's CUDA toolkit wheels.
+        printed = session.run("python", str(gpu_tests / "cuda_toolkit.py"), silent=True)
+        toolkit = json.loads(printed.strip().splitlines()[-1])
+        env = {key: value for key, value in toolkit.items() if key != "CUDA_TOOLKIT_BIN"}
+        if "CUDA_TOOLKIT_BIN" in toolkit:
+            env["PATH"] = os.pathsep.join([toolkit["CUDA_TOOLKIT_BIN"], session.bin,
+                                           os.environ.get("PATH", "")])
+        # Fails the job when the GPU that VLLM_MLA_FIXES_EXPECT_GPU_CC declares is unusable.
+        session.run("python", str(gpu_tests / "preflight.py"), env=env)
+        session.run("pytest", "--vllm-release", release, "-rs", str(gpu_tests), *session.posargs,
+                    env=env)
 
     session_func.__doc__ = f"GPU regression tests on vLLM {release} (a GPU runner; skips elsewhere)."
     return nox.session(python="3.11", name=f"gpu-{release}", tags=["gpu"], default=False)(session_func)
