@@ -137,7 +137,7 @@ def test_033_to_034_reports_the_three_dsv41_changes_with_diffs(review_033_to_034
     assert "    -    num_attn_module: int = 1,\n" in dsv41
     assert "registry error" not in out  # 0.33.0's wheel is what the registry says it is
     # the screen runs the fix's own checks (today's registry, which may list 0.34.0 already)
-    assert re.search(r"\n  source screen: (holds|fails): ", dsv41)
+    assert re.search(r"\n  source screen \(the fix as it is now\): (holds|fails): ", dsv41)
     summary = out[out.index("NEEDS REVIEW"):]
     for name in CHANGED_IN_034:
         assert f"  - dsv41-sm120-geometry: {name} changed\n" in summary

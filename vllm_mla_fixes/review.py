@@ -247,7 +247,7 @@ def report(reviews: list[FixReview], version: str, wheel_name: str, against: str
         for d in r.definitions:
             reviewed = ", ".join(f"{fp} ({rel})" for fp, rel in d.reference.items()) or "none"
             lines.append(f"    {d.state:<10} {d.name}  {d.found or '-'}  reviewed: {reviewed}")
-        lines.append(f"  source screen: {r.screen}")
+        lines.append(f"  source screen{' (the fix as it is now)' if against else ''}: {r.screen}")
         for d in r.definitions:
             if d.note:
                 lines.append(f"  {d.name}: {d.note}")
