@@ -9,18 +9,21 @@ write changed outside its cache's own pages.
 
 Geometries (see ``tests/dsv41_harness/geometry.py``):
 
-* ``per-ratio``           the fix's geometry, built from the spec classes;
-* ``plugin``              the same, produced by this project's fix module;
-* ``split-untranslated``  128-token manager blocks split into 64-token kernel
-                          blocks for ratio 1, writers not translated (PR #56509's
-                          bug class);
-* ``split-translated``    the same split with the writers' slots translated
-                          (control: the split itself is not what fails).
+* ``plugin``              the fix's default geometry, the interleaved split
+                          (128-token blocks; the ratio-1 compressed/indexer
+                          pair in interleaved 64-state kernel pages; ratio-1
+                          writers on kernel-block slots), produced by this
+                          project's fix module;
+* ``plugin-fallback``     the fix module with a KV connector configured: it
+                          chooses its per-ratio fallback;
+* ``per-ratio``           the fallback built directly from the spec classes;
+* ``split-untranslated``  control: the fix's split with the slot translation
+                          taken out (PR #56509's bug class).
 
-Needs a vLLM 0.32.0 environment; about a minute per geometry on two cores.
+Needs a vLLM 0.32.0 or 0.33.0 environment; about a minute per geometry on two cores.
 
     CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 python benchmarks/dsv41_harness_figures.py \
-        [--geometry NAME ...] [--layout]
+        [--geometry NAME ...] [--layout] > benchmarks/results/dsv41_harness_figures_<release>.txt
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = ("per-ratio", "plugin", "split-untranslated", "split-translated")
+DEFAULT = ("plugin", "plugin-fallback", "per-ratio", "split-untranslated")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,13 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     from dsv41_harness.geometry import fix_module
     from dsv41_harness.run import figures_table, run_harness
 
+    import vllm
+
+    print(f"vLLM {vllm.__version__}")
     results = []
     for geometry in args.geometry or DEFAULT:
-        if geometry == "plugin" and fix_module() is None:
-            print("plugin: skipped (vllm_mla_fixes.fixes.dsv41_sm120_geometry is missing)")
+        if geometry.startswith("plugin") and fix_module() is None:
+            print(f"{geometry}: skipped (vllm_mla_fixes.fixes.dsv41_sm120_geometry is missing)")
             continue
         result = run_harness(geometry)
         print(result.summary(), flush=True)
+        if result.status:
+            print(f"    fix status: {result.status}")
+        mismatched = sum(result.slot_mismatches.values())
+        print(f"    ratio-1 writer slots differing from ktable[req, pos // k] * k + pos % k: "
+              f"{mismatched} of the writes' slots; page tiling problems: "
+              f"{len(result.tiling_problems)}")
         if args.layout:
             print("\n".join(f"    {line}" for line in result.layout))
             if result.guard_error:

@@ -7,16 +7,22 @@ way FlashInfer's SM120 sparse-MLA kernel addresses them and compares with a
 dense computation on the un-paged latents, while a sentinel fill accounts for
 every byte written (see ``tests/dsv41_harness``).
 
-* The per-ratio geometry (the fix: every FlashInfer page 64 rows, every
-  indexer page 64 states) decodes exactly what the dense reference computes and
-  writes nothing outside each cache's own pages -- built directly from the
-  spec classes, and again through the project's fix module.
-* The split-manager-block geometry without slot translation (the bug class of
-  vLLM PR #56509, which serves U+FFFD) fails both checks.
+* The fix's default geometry, the interleaved split (128-token blocks, the
+  ratio-1 compressed/indexer pair split into interleaved 64-state kernel
+  pages, ratio-1 writers on kernel-block slots), applied through the fix
+  module: every bound page has 64 rows, the pages of each block tile it
+  without overlap, the paged decode equals the dense one for every layer,
+  the indexer keys read back exactly, no byte outside each cache's own
+  (interleaved) pages changes, and the ratio-1 writer slots are the
+  kernel-table formula.
+* The per-ratio fallback, built directly and chosen by the fix module itself
+  when a KV connector is configured: the same checks.
+* Control: the same split with the slot translation taken out (the bug class
+  of vLLM PR #56509, which serves U+FFFD) fails them.
 
 Run: ``CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 python -m pytest
-tests/test_dsv41_correctness.py --vllm-release 0.32.0 -s`` (or 0.33.0; two to
-four minutes on two cores).  Figures: ``benchmarks/dsv41_harness_figures.py``.
+tests/test_dsv41_correctness.py --vllm-release 0.32.0 -s`` (or 0.33.0; four
+to eight minutes on two cores).  Figures: ``benchmarks/dsv41_harness_figures.py``.
 """
 
 from __future__ import annotations
@@ -67,8 +73,43 @@ def fixed():
 
 
 @pytest.fixture(scope="module")
+def split():
+    if fix_module() is None:
+        pytest.fail("vllm_mla_fixes.fixes.dsv41_sm120_geometry is missing")
+    return _run("plugin")
+
+
+@pytest.fixture(scope="module")
+def fallback():
+    return _run("plugin-fallback")
+
+
+@pytest.fixture(scope="module")
 def broken():
     return _run("split-untranslated")
+
+
+def _assert_exact(result):
+    for layer, figs in result.attention.items():
+        assert figs["vs_quantized"]["non_finite"] == 0, (layer, figs)
+        assert figs["vs_quantized"]["rel"] <= EXACT, (layer, figs)
+        assert figs["vs_unquantized"]["rel"] <= FP8_TOLERANCE, (layer, figs)
+    assert set(result.indexer) == {s for s, r in enumerate(result.ratios) if r}
+    for layer, figs in result.indexer.items():
+        assert figs["rel"] <= EXACT, (layer, figs)
+
+
+def _assert_own_pages_only(result):
+    assert result.writes and all(w.changed_bytes > 0 for w in result.writes)
+    assert result.foreign_bytes == 0, [w for w in result.writes if w.foreign_bytes]
+    assert result.stray_bytes == 0
+    assert result.tiling_problems == []
+
+
+def _assert_ratio1_slots_follow_the_kernel_table(result):
+    # both steps, both ratio-1 writers (compressed KV and indexer K)
+    assert len(result.slot_mismatches) == 4, result.slot_mismatches
+    assert set(result.slot_mismatches.values()) == {0}, result.slot_mismatches
 
 
 # ------------------------------------------------------------- layout facts
@@ -152,77 +193,99 @@ def test_writer_layout_facts_hold_in_the_installed_vllm():
     assert "+ kv_cache_block_size * TOKEN_STRIDE" in index
 
 
-# ------------------------------------------------------------ fixed geometry
+# ----------------------------------------------------- default: interleaved split
 
 
-def test_fixed_geometry_has_64_row_pages_everywhere(fixed):
+def test_split_binds_64_row_pages_interleaved_for_ratio_1_only(split):
+    """Ratio-1 caches: 64-row kernel pages, 46,080 B apart (one compressed
+    page of 37,440 B and one indexer page of 8,640 B), 3 per 138,240-B block;
+    everything else keeps its manager pages of 64 rows."""
+    ratio1 = {f"model.layers.{l}.self_attn" for l, r in enumerate(split.ratios) if r == 1}
+    ratio1 |= {f"{name}.indexer.k_cache" for name in ratio1}
+    assert ratio1
+    for line in split.layout:
+        name = line.split(":")[0]
+        assert "rows/page 64 " in line, line
+        if name in ratio1:
+            assert "manager block 128, kernel block 64 (stride 3)" in line, line
+            assert line.endswith("page stride 46080"), line
+        else:
+            assert "kernel block" not in line, line
+            assert line.endswith("page stride 138240"), line
+
+
+def test_split_pages_tile_every_block_without_overlap(split):
+    assert split.tiling_problems == []
+
+
+def test_split_needs_the_fix_to_map_ratio_1_kernel_pages(split):
+    """vLLM's own mapping refuses to split ratio-1 caches; the fix binds them."""
+    assert ("needs 64-token kernel blocks, which packed 128-token KV cache blocks "
+            "cannot be split into") in (split.guard_error or "")
+
+
+def test_split_decodes_what_the_dense_reference_computes(split):
+    _assert_exact(split)
+
+
+def test_split_writes_only_its_own_interleaved_pages(split):
+    _assert_own_pages_only(split)
+
+
+def test_split_ratio1_writer_slots_are_the_kernel_table_formula(split):
+    _assert_ratio1_slots_follow_the_kernel_table(split)
+
+
+def test_split_status_names_the_geometry(split):
+    assert "geometry interleaved-split (default on SM12x" in split.status
+
+
+# ------------------------------------------------------- fallback: per-ratio
+
+
+def test_per_ratio_geometry_has_64_row_pages_and_no_split(fixed):
     assert fixed.guard_error is None
     for line in fixed.layout:
         assert "rows/page 64 " in line, line
         assert "kernel block" not in line, line  # no manager-block split
 
 
-def test_fixed_geometry_decodes_what_the_dense_reference_computes(fixed):
-    for layer, figs in fixed.attention.items():
-        assert figs["vs_quantized"]["non_finite"] == 0
-        assert figs["vs_quantized"]["rel"] <= EXACT, (layer, figs)
-        assert figs["vs_unquantized"]["rel"] <= FP8_TOLERANCE, (layer, figs)
-    for layer, figs in fixed.indexer.items():
-        assert figs["rel"] <= EXACT, (layer, figs)
+def test_per_ratio_geometry_is_exact_and_writes_only_its_own_pages(fixed):
+    _assert_exact(fixed)
+    _assert_own_pages_only(fixed)
+    _assert_ratio1_slots_follow_the_kernel_table(fixed)
 
 
-def test_fixed_geometry_writes_only_its_own_pages(fixed):
-    assert fixed.writes and all(w.changed_bytes > 0 for w in fixed.writes)
-    assert fixed.foreign_bytes == 0, [w for w in fixed.writes if w.foreign_bytes]
-    assert fixed.stray_bytes == 0
+def test_fix_falls_back_to_per_ratio_with_a_kv_connector_and_says_so(fixed, fallback):
+    assert "geometry per-ratio (a KV connector is configured" in fallback.status
+    assert fallback.layout == fixed.layout
+    _assert_exact(fallback)
+    _assert_own_pages_only(fallback)
 
 
-def test_fix_module_gives_the_same_geometry_and_result(fixed):
-    if fix_module() is None:
-        pytest.skip("vllm_mla_fixes.fixes.dsv41_sm120_geometry does not exist yet")
-    plugin = _run("plugin")
-    assert plugin.layout == fixed.layout
-    assert plugin.worst()["rel"] <= EXACT
-    assert plugin.indexer_worst()["rel"] <= EXACT
-    assert plugin.foreign_bytes == 0 and plugin.stray_bytes == 0
+# ------------------------------------------- control: the split, untranslated
 
 
-# ----------------------------------------------------------- broken geometry
-
-
-def test_vllm_refuses_the_split_the_bug_class_needs(broken):
-    assert broken.guard_error is not None
-    assert ("needs 64-token kernel blocks, which packed 128-token KV cache blocks "
-            "cannot be split into") in broken.guard_error
-
-
-def test_harness_catches_the_untranslated_split(broken):
+def test_harness_catches_the_untranslated_split(split, broken):
+    assert broken.layout == split.layout  # the same split ...
     ratios = broken.ratios
     ratio1 = [layer for layer, r in enumerate(ratios) if r == 1]
     assert ratio1
+    # ... whose ratio-1 writers keep manager-block slots:
+    assert any(broken.slot_mismatches.values()), broken.slot_mismatches
     for layer in ratio1:
-        # Reads of the ratio-1 compressed cache find other bytes than written.
+        # reads of the ratio-1 compressed cache find other bytes than written
         assert broken.attention[layer]["vs_quantized"]["rel"] > 1.0
         assert broken.indexer[layer]["rel"] > 0.5
-    # Every ratio-1 write lands outside its own pages ...
-    split_writes = [w for w in broken.writes if w.cache.startswith(f"model.layers.{ratio1[0]}.")
+    # the writes land outside their own pages (in this tight pool, in blocks of
+    # other requests and in free blocks: the next allocation's data)
+    split_writes = [w for w in broken.writes
+                    if w.cache.startswith(tuple(f"model.layers.{l}.self_attn" for l in ratio1))
                     and not w.cache.endswith("swa_cache")]
-    assert split_writes and all(w.foreign_bytes == w.changed_bytes > 0 for w in split_writes)
+    assert split_writes and all(w.foreign_bytes > 0 for w in split_writes)
     assert broken.stray_bytes > 0
-    # ... some of them into other caches' pages, which is how the other layers
-    # get corrupted too.  Layers none of whose caches was hit stay exact: the
-    # harness pins the damage on the untranslated writes.
-    hit = broken.clobbered_caches
-    assert hit, "the misplaced writes hit no other cache's pages"
-    for layer, r in enumerate(ratios):
-        read = [f"model.layers.{layer}.self_attn.swa_cache"]
-        if r:
-            read.append(f"model.layers.{layer}.self_attn")
-        if r != 1 and not any(name in hit for name in read):
-            assert broken.attention[layer]["vs_quantized"]["rel"] <= EXACT, layer
-    print(f"\n[split-untranslated] caches hit by other caches' writes: {hit}")
+    assert broken.tiling_problems == []  # the pages are right; the slots are not
 
 
-def test_figures(fixed, broken):
-    results = [fixed, broken] + ([_RESULTS["plugin"]] if "plugin" in _RESULTS else [])
-    print("\n" + figures_table(results))
+def test_figures(split, fallback, fixed, broken):
+    print("\n" + figures_table([split, fallback, fixed, broken]))

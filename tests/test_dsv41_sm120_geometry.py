@@ -160,11 +160,49 @@ def test_plugin_on_this_cpu_host_changes_nothing(fresh_plugin):
     assert _patched_targets() == before
 
 
+def _assert_64_state_pages(geometry):
+    repro.allocate_and_bind(geometry)  # the self-check runs inside and passes
+    pages = repro.flashinfer_pages(geometry)
+    assert {page.rows for page in pages} == {fix.PAGE_ROWS}
+    assert len([p for p in pages if p.kind == "swa"]) == 40
+    for page in pages:
+        if page.kind != "indexer":
+            assert repro.sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed",
+                                              **repro.REPORT_CALL) is None, page
+    assert all(p.rows in repro.sm120_paged_mqa_page_sizes() for p in pages if p.kind == "indexer")
+
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    geometry.vllm_config.cache_config.enable_prefix_caching = True
+    assert resolve_kv_cache_block_sizes(geometry.kv_cache_config, geometry.vllm_config) == (128, 64)
+
+
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_fix_gives_every_flashinfer_and_indexer_page_64_states(block_size):
+def test_default_split_gives_every_page_64_states_and_splits_only_ratio_1(block_size):
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(block_size)
         chosen = repro.select_kernel_block_sizes(geometry)  # no "No common block size"
+        blocks = {name: spec.block_size for name, spec in geometry.specs.items()}
+        for layer in (2, 20):
+            assert blocks[f"model.layers.{layer}.attn"] == 128
+            assert blocks[f"model.layers.{layer}.attn.indexer.k_cache"] == 128
+        assert blocks["model.layers.0.attn.swa_cache"] == 64
+        split = {name for name, size in chosen.items() if size != 128 and "SWA" not in name
+                 and "Compressor" not in name}
+        assert split == {"FLASHINFER_MLA_SPARSE_DSV41:model.layers.20.attn",
+                         "DEEPSEEK_V41_INDEXER:model.layers.20.attn.indexer.k_cache"}
+        assert {chosen[name] for name in split} == {64}
+        # One 230,400-B block: 3 ratio-2 sources + the ratio-1 pair = 5 units of 46,080 B.
+        assert geometry.kv_cache_config.kv_cache_tensors[0].block_stride == 230400
+        _assert_64_state_pages(geometry)
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_fallback_per_ratio_gives_every_page_64_states_without_splitting(block_size, monkeypatch):
+    monkeypatch.setenv(fix.GEOMETRY_ENV, "per-ratio")
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(block_size)
+        chosen = repro.select_kernel_block_sizes(geometry)
         # Manager blocks are never split: each group's kernel block is its block.
         for group, kernel in zip(geometry.kv_cache_config.kv_cache_groups, geometry.kernel_block_sizes):
             assert kernel == group.kv_cache_spec.block_size
@@ -176,24 +214,52 @@ def test_fix_gives_every_flashinfer_and_indexer_page_64_states(block_size):
         assert blocks["model.layers.20.attn"] == blocks["model.layers.20.attn.indexer.k_cache"] == 64
         assert blocks["model.layers.2.attn"] == blocks["model.layers.2.attn.indexer.k_cache"] == 128
         assert blocks["model.layers.0.attn.swa_cache"] == 64
-
-        repro.allocate_and_bind(geometry)  # the self-check runs inside and passes
-        pages = repro.flashinfer_pages(geometry)
-        assert {page.rows for page in pages} == {fix.PAGE_ROWS}
-        assert len([p for p in pages if p.kind == "swa"]) == 40
-        for page in pages:
-            if page.kind != "indexer":
-                assert repro.sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed",
-                                                  **repro.REPORT_CALL) is None, page
-        assert all(p.rows in repro.sm120_paged_mqa_page_sizes() for p in pages if p.kind == "indexer")
-
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
-        geometry.vllm_config.cache_config.enable_prefix_caching = True
-        assert resolve_kv_cache_block_sizes(geometry.kv_cache_config, geometry.vllm_config) == (128, 64)
+        _assert_64_state_pages(geometry)
 
 
-def test_fixed_specs_recompute_their_page_padding():
+def test_split_binds_interleaved_ratio1_pages_that_tile_each_block():
+    """The real 40-layer layout: the ratio-1 compressed and indexer caches are
+    bound as 64-row kernel pages with a 46,080-B page stride (compressed page
+    37,440 B, then indexer page 8,640 B), and every packed layer's pages tile
+    each block exactly once."""
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128)
+        repro.select_kernel_block_sizes(geometry)
+        manager = repro.allocate_and_bind(geometry)
+        context = geometry.forward_context
+        packed = [name for name in geometry.specs
+                  if name.endswith(".attn") or name.endswith(".indexer.k_cache")]
+        block_stride = manager[packed[0]].stride(0)
+        assert block_stride == 230400
+        compressed, indexer = context["model.layers.20.attn"].kv_cache, \
+            context["model.layers.20.attn.indexer.k_cache"].kv_cache
+        assert compressed.stride(0) == indexer.stride(0) == 46080
+        assert indexer.storage_offset() - compressed.storage_offset() == 37440
+        for block in range(geometry.kv_cache_config.num_blocks):
+            ranges = []
+            for name in packed:
+                view = context[name].kv_cache
+                spec = geometry.specs[name]
+                rows = view.shape[-2]
+                page = spec.copy_with_new_block_size(rows * spec.tokens_per_state).page_size_bytes
+                per_block = spec.block_size // (rows * spec.tokens_per_state)
+                pages_per_block = block_stride // view.stride(0)
+                for j in range(per_block):
+                    start = view.storage_offset() + (block * pages_per_block + j) * view.stride(0)
+                    ranges.append((start, start + page))
+            ranges.sort()
+            assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), block  # no overlap
+            assert ranges[0][0] == block * block_stride
+            assert sum(end - start for start, end in ranges) == block_stride  # no gap
+
+
+@pytest.mark.parametrize("geometry, pages", [
+    (fix.SPLIT, {"model.layers.20.attn": 128 * 584, "model.layers.2.attn": 64 * 584,
+                 "model.layers.20.attn.indexer.k_cache": 128 * 132}),
+    (fix.PER_RATIO, {"model.layers.20.attn": 64 * 584, "model.layers.2.attn": 64 * 584,
+                     "model.layers.20.attn.indexer.k_cache": 64 * 132}),
+])
+def test_fixed_specs_recompute_their_page_padding(geometry, pages, monkeypatch):
     """A bare ``replace(spec, block_size=...)`` keeps the old page's padding
     whenever the new page needs none (72 x 584 B is 576-aligned); the fix
     clears it, so its specs always carry the padding of their own page."""
@@ -203,10 +269,10 @@ def test_fixed_specs_recompute_their_page_padding():
     assert upstream.page_size_bytes == 74880  # 128 x 584 B, 576-aligned
     assert dataclasses.replace(upstream, block_size=72).page_size_bytes == 74880  # stale
     assert dataclasses.replace(upstream, block_size=72, page_size_padded=None).page_size_bytes == 72 * 584
+    monkeypatch.setenv(fix.GEOMETRY_ENV, geometry)
     with repro.applied((12, 0)):
-        fixed = repro.plan_geometry(128).specs
-    for name, rows_bytes in (("model.layers.20.attn", 64 * 584), ("model.layers.2.attn", 64 * 584),
-                             ("model.layers.20.attn.indexer.k_cache", 64 * 132)):
+        fixed = repro.plan_geometry(64).specs
+    for name, rows_bytes in pages.items():
         spec = fixed[name]
         assert spec.page_size_bytes == -(-rows_bytes // 576) * 576, name
         fresh = MLAAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
@@ -259,7 +325,10 @@ def test_compressor_warmup_covers_the_64_state_pages():
         assert runtime_key(config(16)) in kernel.get_warmup_keys(config(16))
 
 
-def test_unreviewed_target_leaves_vllm_untouched(monkeypatch):
+def test_unreviewed_target_leaves_vllm_untouched(monkeypatch, tmp_path):
+    from vllm_mla_fixes import screen_cache
+
+    monkeypatch.setenv(screen_cache.CACHE_DIR_ENV, str(tmp_path))  # screen this table afresh
     before = _patched_targets()
     target = (fix.ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec")
     monkeypatch.setitem(fix.REVIEWED, target, {"0000000000000000": "not this release"})
@@ -269,9 +338,139 @@ def test_unreviewed_target_leaves_vllm_untouched(monkeypatch):
     assert _patched_targets() == before
 
 
-def test_capacity_is_measured_from_vllms_planner():
+def test_capacity_is_measured_from_vllms_planner(monkeypatch):
     upstream = repro.capacity(128, max_model_len=8192)
     with repro.applied((12, 0)):
-        fixed = repro.capacity(128, max_model_len=8192)
-    assert upstream["bytes_per_block"] == 230400 and fixed["bytes_per_block"] == 138240
-    assert upstream["tokens"] > 0 and fixed["tokens"] > 0
+        split = repro.capacity(128, max_model_len=8192)
+    monkeypatch.setenv(fix.GEOMETRY_ENV, "per-ratio")
+    with repro.applied((12, 0)):
+        per_ratio = repro.capacity(128, max_model_len=8192)
+    assert upstream["bytes_per_block"] == split["bytes_per_block"] == 230400
+    assert per_ratio["bytes_per_block"] == 138240
+    assert split["tokens"] >= upstream["tokens"] > per_ratio["tokens"] > 0
+
+
+# ------------------------------------------------------------ geometry decision
+
+def _config(**changes):
+    config = repro.make_vllm_config(128)
+    for name, value in changes.items():
+        object.__setattr__(config, name, value)
+    return config
+
+
+def test_geometry_decision_defaults_to_the_split_and_says_why():
+    with repro.applied((12, 0)):
+        geometry, reason = fix.geometry_decision(_config())
+    assert geometry == fix.SPLIT and reason.startswith("default on SM12x")
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(speculative_config=SimpleNamespace(num_speculative_tokens=2)), "speculative decoding"),
+    ("kv_connector", "a KV connector is configured"),
+    ("dcp", "decode_context_parallel_size is 2"),
+    ("offload", "KV offloading is configured"),
+])
+def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why):
+    from vllm.config import KVTransferConfig
+
+    config = repro.make_vllm_config(128)
+    if changes == "kv_connector":
+        config.kv_transfer_config = KVTransferConfig(kv_connector="OffloadingConnector",
+                                                     kv_role="kv_both")
+    elif changes == "dcp":
+        object.__setattr__(config.parallel_config, "decode_context_parallel_size", 2)
+    elif changes == "offload":
+        config.cache_config.kv_offloading_size = 8.0
+    else:
+        for name, value in changes.items():
+            object.__setattr__(config, name, value)
+    with repro.applied((12, 0)):
+        geometry, reason = fix.geometry_decision(config)
+        assert geometry == fix.PER_RATIO and reason.startswith(why), reason
+
+
+def test_operator_can_force_the_fallback(monkeypatch):
+    monkeypatch.setenv(fix.GEOMETRY_ENV, "per-ratio")
+    with repro.applied((12, 0)):
+        assert fix.geometry_decision(_config()) == (fix.PER_RATIO, f"{fix.GEOMETRY_ENV}=per-ratio")
+    monkeypatch.setenv(fix.GEOMETRY_ENV, "bogus")
+    with repro.applied((12, 0)):
+        geometry, reason = fix.geometry_decision(_config())
+    assert geometry == fix.PER_RATIO and "'bogus' is not" in reason
+
+
+def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkeypatch):
+    """A changed definition that only the split needs: the fix still applies,
+    with per-ratio blocks, leaves the split's targets alone, and says why."""
+    from vllm.v1.worker import utils
+
+    before = (utils.map_kv_caches_to_kernel_blocks,
+              utils.AttentionGroup.__dict__["_with_kernel_block_table"])
+    target = (fix.WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table")
+    monkeypatch.setitem(fix.REVIEWED, target, {"0000000000000000": "not this release"})
+    with repro.applied((12, 0)) as result:
+        assert result.status.state is State.APPLIED
+        assert (utils.map_kv_caches_to_kernel_blocks,
+                utils.AttentionGroup.__dict__["_with_kernel_block_table"]) == before
+        geometry = repro.plan_geometry(128)
+        assert geometry.specs["model.layers.20.attn"].block_size == 64
+        name, reason = fix.geometry_decision(geometry.vllm_config)
+        assert name == fix.PER_RATIO
+        assert "not reviewed" in reason and "_with_kernel_block_table" in reason
+        assert "geometry per-ratio" in fix.status_detail()
+
+
+def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
+    """``status`` after a model's specs were built in this process names the
+    geometry and the reason; before, it states the rule."""
+    monkeypatch.setattr(fix, "probe", lambda: None)  # this CPU host stands in for SM120
+    fresh_plugin.register()
+    try:
+        entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
+        assert entry.state is State.APPLIED
+        assert "geometry chosen when the model loads: interleaved-split by default" in entry.reason
+        repro.plan_geometry(128)
+        entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
+        assert entry.reason.endswith("geometry interleaved-split (default on SM12x: 128-token "
+                                     "blocks, ratio-1 compressed/indexer pages interleaved as "
+                                     "64-state kernel pages)")
+    finally:
+        fresh_plugin.revert_all()
+
+
+class _BuilderStandIn:
+    def __init__(self, vllm_config, device):
+        self.vllm_config = vllm_config
+        self.device = device
+
+
+def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():
+    """``kernel_slots`` on a real split attention group: each manager slot
+    becomes ``ktable[req, pos // 64] * 64 + pos % 64`` of vLLM's own kernel
+    block table, pads stay -1, and the result lives in the builder's
+    persistent buffer (the same storage every step)."""
+    import torch
+
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128)
+        repro.select_kernel_block_sizes(geometry)
+        repro.allocate_and_bind(geometry)
+        group = next(g for gs in geometry.attn_groups for g in gs
+                     if g.layer_names == ["model.layers.20.attn"])
+        # What the fix reads of a builder (the real ones need a GPU to build).
+        group.metadata_builders = [_BuilderStandIn(geometry.vllm_config, repro.CPU)]
+        assert group.kernel_block_size == 64 and group.kernel_block_stride == 5
+        group.kernel_block_table = torch.zeros(1, 4, 64, dtype=torch.int32)
+        group.kernel_block_offsets = torch.arange(2, dtype=torch.int32)
+        table = torch.tensor([[3, 1, 6], [2, 5, 4]], dtype=torch.int32)
+        positions = [torch.arange(0, 300), torch.arange(100, 257)]
+        manager = torch.cat([table[r, p // 128].long() * 128 + p % 128 for r, p in enumerate(positions)])
+        manager = torch.cat([manager, torch.full((7,), -1)])
+        ktable = group.map_to_kernel_block_table(table).long()
+        want = torch.cat([ktable[r, p // 64] * 64 + p % 64 for r, p in enumerate(positions)])
+        got = fix.kernel_slots(group, manager)
+        assert torch.equal(got[: want.numel()], want)
+        assert torch.equal(got[want.numel():], torch.full((7,), -1))
+        again = fix.kernel_slots(group, manager[:50])
+        assert again.data_ptr() == got.data_ptr()

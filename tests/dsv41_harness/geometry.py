@@ -11,42 +11,41 @@ indexer rows.
 
 The cache modules and specs are vLLM's (``DeepseekV4SWACache``,
 ``DeepseekV4IndexerCache``, ``CompressorStateCache``, and
-``DeepseekV4Attention.get_kv_cache_spec`` called on a stand-in ``self`` that
-carries the attributes it reads), and so are the grouping
+``DeepseekV4Attention.get_kv_cache_spec`` called on an instance of the SM120
+attention class, registered in the forward context, whose ``__init__`` (which
+needs a GPU) is replaced by setting the attributes it reads), and so are the grouping
 (``get_kv_cache_groups``), the allocation (``get_kv_cache_config_from_groups``,
 ``allocate_kv_cache``), the attention groups' kernel block sizes
 (``prepare_kernel_block_sizes``, ``AttentionGroup.create_metadata_builders``),
 the kernel views (``map_kv_caches_to_kernel_blocks``) and the bound views
 (each module's ``bind_kv_cache``).  Only the first phase of vLLM's
 ``init_attn_backend`` (one ``AttentionGroup`` per backend and spec within a
-cache group) is redone here, because it looks the layers up as real attention
-modules, which the compressed caches' stand-in is not.
+cache group) is redone here, because it looks the layers up as fully built
+attention modules.
 
-Geometries (what differs is only the block sizes handed to the specs and the
-kernel block sizes the backends declare):
+Geometries (what differs is only the block sizes handed to the specs, the
+kernel block sizes the backends declare, and -- through the fix module -- the
+kernel views and the slots the ratio-1 writers get):
 
 ``per-ratio``
-    The fix: SWA 64, ratio-1 caches 64 tokens/block, ratio-2 caches 128
-    (64 states); backends declare 64 for ratio-1 specs and 128 for ratio-2.
-    Every FlashInfer page holds 64 rows, every indexer page 64 states.
-``split-untranslated``
-    The bug class (the dossier's "alternative" without slot translation, as
-    in vLLM PR #56509): every compressed/indexer cache keeps 128-token manager
-    blocks and the backends ask for 64-token kernel blocks for ratio 1.  vLLM
-    0.32.0/0.33.0 refuse to map such a split (``map_kv_cache_to_kernel_blocks``
-    raises; the PR's target may predate that guard); the harness maps it as a
-    split without the guard would (:func:`unguarded_kernel_view`: each
-    128-token page viewed as two 64-row kernel pages, ``kernel_block_stride``
-    set for vLLM's ``map_to_kernel_block_table``), reads through vLLM's kernel
-    block tables, and lets the writers keep their manager-block slots.
-``split-translated``
-    Control: the same split, with the ratio-1 writers' slots translated into
-    kernel-block slots (``s -> ((s // B) * S + (s % B) // k) * k + s % k``).
+    The fix's fallback, built directly: SWA 64, ratio-1 caches 64 tokens/block,
+    ratio-2 caches 128 (64 states); backends declare 64 for ratio-1 specs and
+    128 for ratio-2.  Every FlashInfer page holds 64 rows, every indexer page
+    64 states, no block is split.
 ``plugin``
     The project's fix module (``vllm_mla_fixes.fixes.dsv41_sm120_geometry``)
     applied to the installed vLLM, with ``--block-size 128`` and the stock
-    SWA block size of 32 at the call site: the fix must turn them into the
+    SWA block size of 32 at the call site: its default geometry, the
+    interleaved split (128-token blocks; the ratio-1 compressed/indexer pair
+    split into 64-state kernel pages interleaved in units of one compressed
+    and one indexer page; ratio-1 writers on kernel-block slots).
+``plugin-fallback``
+    The fix module with a KV connector configured: it must choose the
     per-ratio geometry by itself.
+``split-untranslated``
+    Control (the bug class of vLLM PR #56509): the fix's interleaved split
+    with the ratio-1 slot translation taken out, so the ratio-1 writers keep
+    their manager-block slots while the readers use the kernel block table.
 """
 
 from __future__ import annotations
@@ -95,24 +94,20 @@ class Geometry:
     swa_block: int
     block_for_ratio: dict[int, int] = field(hash=False)
     kernel_for_ratio: dict[int, int] = field(hash=False)
-    split_unguarded: bool = False
-    translate_ratio1_writes: bool = False
     via_plugin: bool = False
+    kv_connector: bool = False  # configure a KV connector (the fix must fall back)
+    untranslated: bool = False  # take the fix's ratio-1 slot translation out
 
 
 GEOMETRIES: dict[str, Geometry] = {
     g.name: g
     for g in (
         Geometry("per-ratio", 64, {1: 64, 2: 128}, {1: 64, 2: 128}),
-        Geometry(
-            "split-untranslated", 64, {1: 128, 2: 128}, {1: 64, 2: 128},
-            split_unguarded=True,
-        ),
-        Geometry(
-            "split-translated", 64, {1: 128, 2: 128}, {1: 64, 2: 128},
-            split_unguarded=True, translate_ratio1_writes=True,
-        ),
         Geometry("plugin", 32, {1: 128, 2: 128}, {}, via_plugin=True),
+        Geometry("plugin-fallback", 32, {1: 128, 2: 128}, {}, via_plugin=True,
+                 kv_connector=True),
+        Geometry("split-untranslated", 32, {1: 128, 2: 128}, {}, via_plugin=True,
+                 untranslated=True),
     )
 }
 
@@ -135,11 +130,12 @@ def fix_module():
 # --------------------------------------------------------------------------
 
 
-def make_config(model: TinyModel) -> SimpleNamespace:
+def make_config(model: TinyModel, kv_connector: bool = False) -> SimpleNamespace:
     from vllm.config import (
         AttentionConfig,
         CacheConfig,
         CompilationConfig,
+        KVTransferConfig,
         ParallelConfig,
         SchedulerConfig,
     )
@@ -183,6 +179,10 @@ def make_config(model: TinyModel) -> SimpleNamespace:
         parallel_config=ParallelConfig(),
         compilation_config=CompilationConfig(),
         speculative_config=None,
+        kv_transfer_config=(
+            KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+            if kv_connector else None
+        ),
         kernel_config=SimpleNamespace(enable_jit_warmup=False),
         use_v2_model_runner=True,
         num_speculative_tokens=0,
@@ -255,13 +255,29 @@ class Layout:
         return next(c for c in self.caches.values() if c.kind == kind and c.layer == layer)
 
     def own_bytes(self, cache: CacheLayer, block_ids) -> list[tuple[int, int]]:
-        """Byte ranges [start, end) of ``cache``'s pages in the given blocks."""
-        view = cache.manager_view
-        page = cache.spec.page_size_bytes
+        """Byte ranges [start, end) of ``cache``'s pages in the given manager
+        blocks: its kernel pages where its blocks are split into kernel
+        blocks (kernel block j of block b is ``b * kernel_block_stride + j``),
+        else its manager pages."""
+        group = cache.attn_group
+        kernel = getattr(group, "kernel_block_size", None)
+        if kernel is None:
+            view = cache.manager_view
+            page = cache.spec.page_size_bytes
+            return [
+                (view.storage_offset() + b * view.stride(0),
+                 view.storage_offset() + b * view.stride(0) + page)
+                for b in block_ids
+            ]
+        view = cache.bound
+        page = cache.spec.copy_with_new_block_size(kernel).page_size_bytes
+        per_block = cache.spec.block_size // kernel
+        stride = group.kernel_block_stride or per_block
         return [
-            (view.storage_offset() + b * view.stride(0),
-             view.storage_offset() + b * view.stride(0) + page)
+            (view.storage_offset() + (b * stride + j) * view.stride(0),
+             view.storage_offset() + (b * stride + j) * view.stride(0) + page)
             for b in block_ids
+            for j in range(per_block)
         ]
 
 
@@ -272,6 +288,9 @@ def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
     from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
         DeepseekSparseSWAFlashInferBackend,
         DeepseekV4FlashInferMLASparseBackend,
+    )
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferSM120Attention as SM120Attention,
     )
 
     caches: dict[str, CacheLayer] = {}
@@ -299,19 +318,21 @@ def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
                 continue
             block = geometry.block_for_ratio[ratio]
             ratio_cfg = cfg if geometry.via_plugin else _config_with_block_size(cfg, block)
-            # What DeepseekV4Attention.__init__ sets on a kv-source layer of
-            # the SM120 FlashInfer attention class, for get_kv_cache_spec.
-            attn_self = SimpleNamespace(
-                is_kv_source=True,
-                kv_cache_dtype="fp8_ds_mla",
-                kv_cache_torch_dtype=torch.uint8,
-                head_dim=512,
-                compress_ratio=ratio,
-                kv_page_alignment=PAGE_ALIGN,
-                compressed_bytes_per_token=SWA_RECORD,
-                kv_cache=torch.tensor([]),
-                prefix=prefix,
-            )
+            # The SM120 FlashInfer attention class, registered in the forward
+            # context as its __init__ does (which needs a GPU and is not run),
+            # with what __init__ sets on a kv-source layer for get_kv_cache_spec.
+            attn_self = SM120Attention.__new__(SM120Attention)
+            torch.nn.Module.__init__(attn_self)
+            attn_self.is_kv_source = True
+            attn_self.kv_cache_dtype = "fp8_ds_mla"
+            attn_self.kv_cache_torch_dtype = torch.uint8
+            attn_self.head_dim = 512
+            attn_self.compress_ratio = ratio
+            attn_self.kv_page_alignment = PAGE_ALIGN
+            attn_self.compressed_bytes_per_token = SWA_RECORD
+            attn_self.kv_cache = torch.tensor([])
+            attn_self.prefix = prefix
+            cfg.compilation_config.static_forward_context[prefix] = attn_self
             attn_self.spec_source = (attention.DeepseekV4Attention, ratio_cfg)
             caches[prefix] = CacheLayer(prefix, "compressed", layer, ratio, attn_self, fi_backend)
             index = attention.DeepseekV4IndexerCache(
@@ -353,30 +374,6 @@ def _bind(cache: CacheLayer, view: torch.Tensor) -> torch.Tensor:
     return cache.module.kv_cache
 
 
-def unguarded_kernel_view(group, kv_cache: torch.Tensor) -> torch.Tensor:
-    """View 128-token manager pages as 64-row kernel pages, as a split that
-    skips vLLM 0.32.0's refusal would (the bug class under test).
-
-    Kernel page j of manager block b sits at ``b * S + j`` in units of the
-    kernel page, whose size is the padded 64-row page the allocator aligned
-    the block stride to (``MultipleOf`` block-stride alignment), so ``S`` is
-    exact.  Sets ``group.kernel_block_stride`` for vLLM's
-    ``map_to_kernel_block_table``."""
-    spec = group.kv_cache_spec
-    kernel = group.kernel_block_size
-    rows = spec.get_num_kernel_states(kernel)
-    page = spec.copy_with_new_block_size(kernel).page_size_bytes
-    assert kv_cache.stride(0) % page == 0, (kv_cache.stride(0), page)
-    per_block = spec.get_num_kernel_states(spec.block_size) // rows
-    assert per_block * page <= spec.page_size_bytes
-    group.kernel_block_stride = kv_cache.stride(0) // page
-    num_pages = (kv_cache.shape[0] - 1) * group.kernel_block_stride + per_block
-    return kv_cache.as_strided(
-        (num_pages, kv_cache.shape[1], rows, kv_cache.shape[-1]),
-        (page, *kv_cache.stride()[1:]),
-    )
-
-
 def _kv_cache_planner():
     """vLLM's module with get_kv_cache_groups / get_kv_cache_config_from_groups
     (``kv_cache_utils`` in 0.32, ``kv_cache_planning`` from 0.33)."""
@@ -385,6 +382,27 @@ def _kv_cache_planner():
     except ImportError:
         from vllm.v1.core import kv_cache_utils as planner
     return planner
+
+
+def _upstream_refusal(kv_caches, groups) -> str | None:
+    """What vLLM's own ``map_kv_caches_to_kernel_blocks`` says about the
+    kernel blocks these groups ask for (the fix replaces it to bind the
+    interleaved ratio-1 pages): its error, or None if it maps them."""
+    from vllm.v1.worker import utils
+
+    upstream = getattr(utils.map_kv_caches_to_kernel_blocks, "__wrapped__", None)
+    if upstream is None:
+        return None
+    split = [g for g in groups if g.kernel_block_size is not None]
+    strides = [(g, g.kernel_block_stride) for g in split]
+    try:
+        upstream(kv_caches, split)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        for group, stride in strides:
+            group.kernel_block_stride = stride
+    return None
 
 
 def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
@@ -401,7 +419,7 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
 
     from .reference import storage_bytes
 
-    cfg = make_config(model)
+    cfg = make_config(model, kv_connector=geometry.kv_connector)
     caches = _make_caches(geometry, model, cfg)
     if not geometry.via_plugin:
         for cache in caches.values():
@@ -454,22 +472,8 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
         kernel_block_sizes,
     )
     all_groups = [g for gs in attn_groups for g in gs]
-    guard_error = None
-    try:
-        bindable = map_kv_caches_to_kernel_blocks(kv_caches, all_groups)
-    except ValueError as exc:
-        if not geometry.split_unguarded:
-            raise
-        guard_error = str(exc)
-        bindable = dict(kv_caches)
-        for group in all_groups:
-            if group.kernel_block_size is None:
-                continue
-            for name in group.layer_names:
-                if group.kv_cache_spec.tokens_per_state <= 1:
-                    bindable[name] = unguarded_kernel_view(group, kv_caches[name])
-                else:
-                    bindable[name] = group.map_kv_cache_to_kernel_blocks(kv_caches[name])
+    guard_error = _upstream_refusal(kv_caches, all_groups)
+    bindable = map_kv_caches_to_kernel_blocks(kv_caches, all_groups)
 
     for name, cache in caches.items():
         cache.manager_view = kv_caches[name]

@@ -30,3 +30,22 @@ def applied_fix(capability: tuple[int, int] = (12, 0)):
         yield result
     finally:
         result.patch.revert()
+
+
+@contextlib.contextmanager
+def untranslated_ratio1_slots():
+    """Inside :func:`applied_fix`: the fix's split with its ratio-1 slot
+    translation taken out (vLLM's own ``AttentionGroup._with_kernel_block_table``
+    back in place), so the ratio-1 writers keep manager-block slots -- the
+    control that shows the harness sees the bug class."""
+    from vllm.v1.worker.utils import AttentionGroup
+
+    translating = AttentionGroup.__dict__["_with_kernel_block_table"]
+    upstream = getattr(translating, "__wrapped__", None)
+    if upstream is None:
+        raise FixUnavailable("the fix does not translate ratio-1 slots here")
+    AttentionGroup._with_kernel_block_table = upstream
+    try:
+        yield
+    finally:
+        AttentionGroup._with_kernel_block_table = translating

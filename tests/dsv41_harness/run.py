@@ -34,6 +34,7 @@ Flow (all vLLM calls are the installed release's own code):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -70,7 +71,12 @@ class HarnessResult:
     indexer: dict[int, dict[str, float]] = field(default_factory=dict)
     writes: list[WriteRecord] = field(default_factory=list)
     stray_bytes: int = 0
+    # per step and ratio-1 cache: writer slots that differ from the kernel-table formula
+    slot_mismatches: dict[str, int] = field(default_factory=dict)
+    # overlaps or gaps of the caches' (kernel) pages within a cache group's blocks
+    tiling_problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    status: str = ""  # the fix's applied reason, for geometries run through it
 
     @property
     def foreign_bytes(self) -> int:
@@ -321,22 +327,28 @@ def _check_write_bounds(view: torch.Tensor, slots: torch.Tensor, rows: int, reco
         )
 
 
-def translate_to_kernel_slots(slots: torch.Tensor, group, manager_block: int) -> torch.Tensor:
-    """Manager-block slots -> kernel-block slots of a split group."""
-    k = group.kernel_block_size
-    stride = group.kernel_block_stride
-    out = slots.clone()
-    ok = slots >= 0
-    s = slots[ok]
-    out[ok] = ((s // manager_block) * stride + (s % manager_block) // k) * k + s % k
-    return out
-
-
 class Writer:
     def __init__(self, layout: Layout, blocks, result: HarnessResult):
         self.layout = layout
         self.blocks = blocks
         self.result = result
+
+    def check_slots(self, step: Step, cache: CacheLayer, slots, cm) -> None:
+        """Ratio-1 writers: count the slots that differ from the kernel-table
+        formula ``ktable[req, pos // k] * k + pos % k`` (k = the group's kernel
+        block, its manager block where blocks are not split)."""
+        if cache.ratio != 1:
+            return
+        group = cache.attn_group
+        k = group.kernel_block_size or self.layout.group_block_size(cache.group_id)
+        ktable = group.map_to_kernel_block_table(cm.block_table_tensor).to(torch.int64)
+        want = torch.cat([
+            ktable[r, torch.arange(a, b) // k] * k + torch.arange(a, b) % k
+            for r, (a, b) in enumerate(step.requests)
+        ])
+        got = slots[: want.numel()].to(torch.int64)
+        key = f"{step.name}:{cache.name}"
+        self.result.slot_mismatches[key] = int((got != want).sum())
 
     def own_mask(self, caches) -> torch.Tensor:
         mask = torch.zeros(self.layout.storage.numel(), dtype=torch.bool)
@@ -413,9 +425,11 @@ def _indexer_slots(cache: CacheLayer, cm, step: Step):
         get_compressed_slot_mapping,
     )
 
-    if cache.ratio == 1:
-        return cm.slot_mapping
     group = cache.attn_group
+    if cache.ratio == 1:
+        # build() passes the slot mapping of the metadata its group hands it.
+        return group._with_kernel_block_table(cm).slot_mapping
+
     builder_spec = group.get_metadata_builder().kv_cache_spec
     return get_compressed_slot_mapping(
         step.num_tokens,
@@ -452,19 +466,13 @@ def run_step(layout: Layout, step: Step, tables, inputs: Inputs, writer: Writer)
         writer.swa(step, cache, slots, block_size, rows)
     for cache in layout.by_kind("compressed"):
         slots = metadata[cache.name].slot_mapping
-        if layout.geometry.translate_ratio1_writes and cache.ratio == 1:
-            slots = translate_to_kernel_slots(
-                slots, cache.attn_group, layout.group_block_size(cache.group_id)
-            )
+        writer.check_slots(step, cache, slots, cms[cache.group_id])
         latent = step.token_rows(inputs.latent[cache.layer])
         writer.compressed(step, cache, slots, latent, step.positions, inputs.cos_sin)
     for cache in layout.by_kind("indexer"):
         cm = cms[cache.group_id]
         slots = _indexer_slots(cache, cm, step)
-        if layout.geometry.translate_ratio1_writes and cache.ratio == 1:
-            slots = translate_to_kernel_slots(
-                slots, cache.attn_group, layout.group_block_size(cache.group_id)
-            )
+        writer.check_slots(step, cache, slots, cm)
         writer.indexer(
             step, cache, slots, step.token_rows(inputs.k_pre[cache.layer]),
             step.positions, inputs.cos_sin, inputs.norm_weight[cache.layer],
@@ -596,6 +604,44 @@ def stray_bytes(layout: Layout, blocks) -> int:
     return int(((layout.storage != SENTINEL) & ~own).sum())
 
 
+def _fix_detail() -> str:
+    from .geometry import fix_module
+
+    return fix_module().status_detail()
+
+
+def tiling_problems(layout: Layout) -> list[str]:
+    """Per cache group and block: the caches' pages (kernel pages where split)
+    must not overlap and must cover exactly the bytes of their manager pages."""
+    problems = []
+    for gid in range(len(layout.kv_cache_config.kv_cache_groups)):
+        caches = [c for c in layout.caches.values() if c.group_id == gid]
+        for block in range(layout.kv_cache_config.num_blocks):
+            pages = sorted(r for c in caches for r in layout.own_bytes(c, [block]))
+            manager = sorted(
+                (c.manager_view.storage_offset() + block * c.manager_view.stride(0),
+                 c.manager_view.storage_offset() + block * c.manager_view.stride(0)
+                 + c.spec.page_size_bytes)
+                for c in caches
+            )
+            if any(a[1] > b[0] for a, b in zip(pages, pages[1:])):
+                problems.append(f"group {gid} block {block}: pages overlap")
+            if _merged(pages) != _merged(manager):
+                problems.append(f"group {gid} block {block}: pages {_merged(pages)} do not "
+                                f"tile the manager pages {_merged(manager)}")
+    return problems
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def run_harness(geometry: str, model: TinyModel | None = None, seed: int = 0) -> HarnessResult:
     problem = interpreter_problem()
     if problem is not None:
@@ -605,20 +651,21 @@ def run_harness(geometry: str, model: TinyModel | None = None, seed: int = 0) ->
     rounding = ref.writer_rounding()
     start = time.monotonic()
     with simulated_sm120_host():
-        if geo.via_plugin:
-            from .plugin import applied_fix
+        with contextlib.ExitStack() as stack:
+            if geo.via_plugin:
+                from .plugin import applied_fix, untranslated_ratio1_slots
 
-            context = applied_fix()
-        else:
-            import contextlib
-
-            context = contextlib.nullcontext()
-        with context:
+                result_of_fix = stack.enter_context(applied_fix())
+                if geo.untranslated:
+                    stack.enter_context(untranslated_ratio1_slots())
             layout = build_layout(geo, model, SENTINEL)
             result = HarnessResult(
                 geometry=geometry, rounding=rounding.name, layout=describe(layout),
                 guard_error=layout.guard_error, ratios=model.compress_ratios,
             )
+            if geo.via_plugin:
+                result.status = f"{result_of_fix.status.reason}; {_fix_detail()}"
+            result.tiling_problems = tiling_problems(layout)
             inputs = make_inputs(model, seed)
             blocks = allocate_blocks(layout, seed)
             tables = make_block_tables(layout, blocks)

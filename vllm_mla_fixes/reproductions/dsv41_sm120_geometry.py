@@ -220,7 +220,9 @@ def plan_geometry(block_size: int, model: dict | None = None,
 
 def select_kernel_block_sizes(geometry: Geometry) -> dict[str, int]:
     """``select_common_block_size`` for every attention group, as
-    ``AttentionGroup.create_metadata_builders`` calls it; raises vLLM's error."""
+    ``AttentionGroup.create_metadata_builders`` calls it (raises vLLM's error),
+    and the group's kernel block size recorded as it records it (without
+    building the metadata builders)."""
     from vllm.v1.kv_cache_interface import AttentionSpec
     from vllm.v1.worker.utils import select_common_block_size
 
@@ -231,6 +233,8 @@ def select_kernel_block_sizes(geometry: Geometry) -> dict[str, int]:
                 size = select_common_block_size(geometry.kernel_block_sizes[group_id],
                                                 [group.backend], [group.kv_cache_spec])
                 chosen[f"{group.backend.get_name()}:{group.layer_names[0]}"] = size
+                if size != group.kv_cache_spec.block_size:
+                    group.kernel_block_size = size
     return chosen
 
 
@@ -514,6 +518,15 @@ def _verify(report: Callable[[str], None]) -> bool:
                    f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "
                    f"FlashInfer SM120 planner: {'accepts all' if verdicts == {None} else verdicts}")
             ok &= good
+            ratio1 = [geometry.forward_context[name].kv_cache for name in
+                      ("model.layers.20.attn", "model.layers.20.attn.indexer.k_cache")]
+            interleaved = (fix.geometry_decision(geometry.vllm_config)[0] == fix.SPLIT
+                           and {view.stride(0) for view in ratio1} == {46080}
+                           and ratio1[1].storage_offset() - ratio1[0].storage_offset() == 37440)
+            report(f"  {fix.status_detail()}; ratio-1 compressed/indexer kernel pages "
+                   f"{'interleaved every 46,080 B' if interleaved else 'NOT interleaved'} in "
+                   f"{geometry.kv_cache_config.kv_cache_tensors[0].block_stride}-B blocks")
+            ok &= interleaved
     return bool(ok)
 
 
