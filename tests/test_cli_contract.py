@@ -2,7 +2,7 @@
 this package's own metadata -- not the test lock, which adds ``wheel``,
 ``pytest`` and ``uv`` -- and machine output that is exactly one JSON document.
 
-The environment: ``uv venv --seed``, ``uv pip install vllm==X`` (the lock only
+The environment: ``uv venv``, ``uv pip install vllm==X pip`` (the lock only
 as constraints, so uv hard-links the versions it already has), then the
 command doctor prints when vllm-mla-fixes is missing (``pip install
 <checkout>``), run with that environment's pip.
@@ -34,9 +34,10 @@ def _env(**extra: str) -> dict[str, str]:
 def user_env(request, tmp_path_factory) -> Path:
     release = request.config.vllm_release
     venv = tmp_path_factory.mktemp("user") / "venv"
-    subprocess.run(["uv", "venv", "-q", "--seed", "-p", sys.executable, str(venv)], check=True)
+    subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    subprocess.run(["uv", "pip", "install", "-q", "--python", python, f"vllm=={release}",
+    # pip for the remedy below; not `uv venv --seed`, which adds setuptools and wheel on Python 3.11
+    subprocess.run(["uv", "pip", "install", "-q", "--python", python, f"vllm=={release}", "pip",
                     "-c", str(ROOT / "envs" / f"vllm-{release}.txt")], check=True, timeout=1200)
 
     # Before the package is installed, doctor run from the checkout's sources says
@@ -49,7 +50,8 @@ def user_env(request, tmp_path_factory) -> Path:
                           env=_env(PYTHONPATH=str(sources)), capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
     assert report["environment"]["packages"]["vllm-mla-fixes"] is None
-    advice = {f["advice"] for f in report["findings"] if "not installed where vLLM runs" in f["message"]}
+    advice = {f["advice"].split(";")[0] for f in report["findings"]  # fa4 appends its workarounds
+              if "not installed where vLLM runs" in f["message"]}
     assert advice == {f"pip install {shlex.quote(str(ROOT))}"}, report["findings"]
     command = shlex.split(advice.pop())
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *command[2:]], check=True, timeout=600)

@@ -251,3 +251,19 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     assert f"the {dsv41.PER_RATIO} geometry (speculative decoding" in geometry_line(
         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
     assert f"the {dsv41.PER_RATIO} geometry (decode_context_parallel_size is 2" in geometry_line("-dcp", "2")
+
+
+def test_each_fix_diagnoses_itself_and_doctor_names_no_fix():
+    """Deleting a fix is deleting its module and its ALL_FIXES entry: doctor
+    loops over ALL_FIXES, and the report types live in a leaf module."""
+    from vllm_mla_fixes.fixes import ALL_FIXES
+
+    doctor_source = (ROOT / "vllm_mla_fixes" / "doctor.py").read_text()
+    for fix in ALL_FIXES:
+        assert callable(fix.diagnose) and callable(fix.probe) and callable(fix.apply)
+        assert fix.INFO.name not in doctor_source and fix.__name__.rsplit(".", 1)[1] not in doctor_source
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, vllm_mla_fixes.report, vllm_mla_fixes.fixes; "
+                               "print(sorted(m for m in sys.modules if m.startswith('vllm_mla_fixes')))"],
+        capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "vllm_mla_fixes.doctor" not in imported and "vllm_mla_fixes.cli" not in imported
