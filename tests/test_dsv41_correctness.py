@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 on SM120: CPU correctness harness for the KV page geometry.
 
-Real vLLM code (0.32.0 or 0.33.0) allocates and binds the caches, computes the slot
+Real vLLM code (0.32.0, 0.33.0 or 0.34.0) allocates and binds the caches, computes the slot
 mappings and indices and writes random latents (Triton kernels under
 ``TRITON_INTERPRET=1``); this project's PyTorch reference reads the pages the
 way FlashInfer's SM120 sparse-MLA kernel addresses them and compares with a
@@ -38,7 +38,7 @@ from dsv41_harness.env import interpreter_problem
 from dsv41_harness.geometry import fix_module
 from dsv41_harness.run import figures_table, run_harness
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0")
+pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 
 # The paged decode must reproduce the dense one: both apply the writers' fp8
 # rounding to the same latents, so only float summation order may differ.

@@ -18,7 +18,9 @@ from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.patching import State, run_fix
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0")
+pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+# The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/test_dsv41_release_0_34.py).
+before_0_34 = pytest.mark.vllm_release("0.32.0", "0.33.0")
 
 REPORT_ERROR = ("SM120 sparse-MLA has no decode kernel for this shape: num_tokens=8, num_heads=8, "
                 "topk=128, d_qk=512, page_block_size=32, model_type=dsv4, extra_topk=0.")
@@ -55,6 +57,7 @@ def upstream_128():
 
 # ------------------------------------------------------------------ upstream
 
+@before_0_34
 def test_block_size_64_fails_no_common_block_size_for_both_backends():
     geometry = repro.plan_geometry(64)
     with pytest.raises(ValueError) as excinfo:
@@ -74,6 +77,7 @@ def test_block_size_64_fails_no_common_block_size_for_both_backends():
     assert errors == {repro.BLOCK_SIZE_ERROR, repro.INDEXER_BLOCK_SIZE_ERROR}
 
 
+@before_0_34
 def test_block_size_128_starts_with_32_token_swa_and_128_state_ratio1_pages(upstream_128):
     assert upstream_128.kernel_block_sizes == [32, 32, 32, 32, 128, 8]
     repro.select_kernel_block_sizes(upstream_128)  # start-up passes
@@ -112,6 +116,7 @@ def test_flashinfer_072_takes_the_32_page_but_ratio1_indexer_pages_stay_wrong(up
     assert indexer_pages == {1: 128, 2: 64}
 
 
+@before_0_34
 def test_upstream_geometry_fails_the_self_check_with_a_clear_error(upstream_128):
     with pytest.raises(fix.PageGeometryError) as excinfo:
         fix.check_page_geometry(fix.bound_pages(upstream_128.forward_context))
@@ -280,6 +285,7 @@ def test_fixed_specs_recompute_their_page_padding(geometry, pages, monkeypatch):
         assert fresh.page_size_bytes == spec.page_size_bytes
 
 
+@before_0_34
 def test_self_check_catches_a_geometry_changed_after_the_fix():
     """Upstream specs (planned before the fix) bound with the fix installed:
     the check inside vLLM's bind raises before any request."""
@@ -289,6 +295,7 @@ def test_self_check_catches_a_geometry_changed_after_the_fix():
             repro.allocate_and_bind(geometry)
 
 
+@before_0_34
 def test_tiny_config_geometry():
     model = repro.tiny_model()
     assert set(model["compress_ratios"]) == {0, 1, 2}
@@ -443,6 +450,40 @@ class _BuilderStandIn:
     def __init__(self, vllm_config, device):
         self.vllm_config = vllm_config
         self.device = device
+
+
+def test_new_blocks_are_zeroed_over_exactly_the_pages_they_hold():
+    """vLLM's ``KVBlockZeroer`` (built as the worker builds it) zeroes, for
+    each newly allocated block, spans that cover every bound page of the block
+    -- both interleaved ratio-1 pages of each cache included -- and nothing
+    outside the block."""
+    from vllm.v1.worker.utils import KVBlockZeroer
+
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128)
+        repro.select_kernel_block_sizes(geometry)
+        repro.allocate_and_bind(geometry)
+        context = geometry.forward_context
+        zeroer = KVBlockZeroer(repro.CPU, [g for gs in geometry.attn_groups for g in gs],
+                               geometry.kernel_block_sizes, context,
+                               geometry.kv_cache_config.num_blocks)
+        addrs, strides, sizes = (t.tolist() for t in zeroer._meta[:3])
+        base = context["model.layers.20.attn"].kv_cache.untyped_storage().data_ptr()
+        block_stride = geometry.kv_cache_config.kv_cache_tensors[0].block_stride
+        for block in (1, geometry.kv_cache_config.num_blocks - 1):
+            zeroed = sorted((a - base + block * s * 4, a - base + block * s * 4 + n * 4)
+                            for a, s, n in zip(addrs, strides, sizes))
+            assert zeroed[0][0] >= block * block_stride and zeroed[-1][1] <= (block + 1) * block_stride
+            for name in ("model.layers.20.attn", "model.layers.20.attn.indexer.k_cache",
+                         "model.layers.2.attn", "model.layers.0.attn.swa_cache"):
+                view = context[name].kv_cache
+                spec = geometry.specs[name]
+                rows = view.shape[-2] * spec.tokens_per_state
+                page = view.shape[-2] * view.shape[-1]  # the rows' bytes (alignment padding aside)
+                per_block = spec.block_size // rows
+                for j in range(per_block):
+                    start = view.storage_offset() + (block * block_stride // view.stride(0) + j) * view.stride(0)
+                    assert any(a <= start and start + page <= b for a, b in zeroed), (name, block, j)
 
 
 def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():

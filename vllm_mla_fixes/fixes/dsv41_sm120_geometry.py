@@ -154,19 +154,21 @@ REVIEWED: dict[tuple[str, str], dict[str, str]] = {
     (WARMUP_MODULE, "CompressedSlotMappingKernel.get_warmup_keys"): {"216e302a557266f9": "0.32.0", "776a353d46e2e7b3": "0.33.0, 0.34.0"},
     (WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): {"999feba03e12db36": "0.32.0, 0.33.0", "70806dab17e278c2": "0.34.0"},
     # The interleaved split replaces or relies on these as well (SPLIT_TARGETS).
-    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"): {"afea4079dd113fc9": "0.32.0, 0.33.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"): {"840b1d99ab0f763f": "0.32.0, 0.33.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"): {"cc9a2dd5a6626db7": "0.32.0, 0.33.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"): {"b295cd3635ff4ac7": "0.32.0, 0.33.0"},
-    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"): {"eb3a874718c6b296": "0.32.0", "2cda0476ce889793": "0.33.0"},
-    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"): {"b0d2cbc0ce1ba697": "0.32.0", "618f410d0514a898": "0.33.0"},
-    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"): {"15beaa9c9e75793c": "0.32.0, 0.33.0"},
+    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"): {"afea4079dd113fc9": "0.32.0, 0.33.0, 0.34.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"): {"840b1d99ab0f763f": "0.32.0, 0.33.0, 0.34.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"): {"adaa4142305eed54": "0.32.0, 0.33.0, 0.34.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"): {"cc9a2dd5a6626db7": "0.32.0, 0.33.0, 0.34.0"},
+    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"): {"b295cd3635ff4ac7": "0.32.0, 0.33.0, 0.34.0"},
+    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"): {"eb3a874718c6b296": "0.32.0", "2cda0476ce889793": "0.33.0, 0.34.0"},
+    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"): {"b0d2cbc0ce1ba697": "0.32.0", "618f410d0514a898": "0.33.0", "3c64753715ca1bdd": "0.34.0"},
+    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"): {"15beaa9c9e75793c": "0.32.0, 0.33.0, 0.34.0"},
 }
 
 SPLIT_TARGETS = frozenset({
     # replaced: the ratio-1 kernel views, and the kernel slots handed to builders
     (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
     (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"),
     # relied on: kernel block j of block b is b * kernel_block_stride + j; the
     # builders' kernel block size; ratio-1 writers take the builder's
     # ``cm.slot_mapping`` (sparse-MLA and indexer builders, compressor insert)
@@ -515,9 +517,10 @@ def _is_split_ratio1(group: Any) -> bool:
             and group.backend.get_name() in (FLASHINFER_BACKEND, INDEXER_BACKEND))
 
 
-_INTERLEAVED: set[tuple[str, Any]] = set()
+_INTERLEAVED: dict[tuple[str, Any], tuple[int, int]] = {}
 """(backend class name, spec) of the attention groups bound to interleaved
-pages; copies of those groups (DBO micro-batches, decoder replay) match too."""
+pages -> (unit bytes, bytes from the pair's start to the cache's first kernel
+page); copies of those groups (DBO micro-batches, decoder replay) match too."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,6 +529,7 @@ class InterleavedCache:
     kind: str  # "compressed" or "indexer"
     start: int  # byte offset of the cache's first kernel page in block 0
     kernel_page: int  # bytes of one 64-state page
+    lead: int  # bytes from its pair's start to its first kernel page (0, or the compressed page)
 
 
 def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, int, list[InterleavedCache]]:
@@ -572,10 +576,10 @@ def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, 
     region = caches[0][0]
     plan, pair = [], {"compressed": 0, "indexer": 0}
     for _, kind, name, kernel_page, _, _ in caches:
-        first = region + 2 * unit * pair[kind]
+        lead = 0 if kind == "compressed" else unit - kernel_page
+        plan.append(InterleavedCache(name, kind, region + 2 * unit * pair[kind] + lead,
+                                     kernel_page, lead))
         pair[kind] += 1
-        plan.append(InterleavedCache(name, kind, first if kind == "compressed"
-                                     else first + (unit - kernel_page), kernel_page))
     return unit, block_stride // unit, plan
 
 
@@ -592,9 +596,11 @@ def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str
         views[cache.layer] = torch.as_strided(
             manager, (num_pages, *manager.shape[1:-2], rows, manager.shape[-1]),
             (unit // size, *manager.stride()[1:]), cache.start // size)
+    leads = {cache.layer: cache.lead for cache in plan}
     for group in groups:
         group.kernel_block_stride = stride_pages
-        _INTERLEAVED.add((group.backend.full_cls_name(), group.kv_cache_spec))
+        lead = next(leads[name] for name in group.layer_names if name in leads)
+        _INTERLEAVED[(group.backend.full_cls_name(), group.kv_cache_spec)] = (unit, lead)
         for builder in group.metadata_builders:
             _slot_buffers(builder)
     return views
@@ -613,6 +619,29 @@ def _with_interleaved_ratio1_views(original: Callable) -> Callable:
         return mapped
 
     return map_kv_caches_to_kernel_blocks
+
+
+def _with_pair_manager_view(original: Callable) -> Callable:
+    """vLLM views a split group's bound cache as manager blocks to zero newly
+    allocated blocks (``KVBlockZeroer``), assuming a block's kernel pages are
+    contiguous.  For an interleaved cache the view is the whole pair region of
+    the block instead (both caches' pages, 2 units), so zeroing a new block
+    clears exactly the ratio-1 pages it holds."""
+    @functools.wraps(original)
+    def map_kv_cache_to_manager_blocks(self, kv_cache, num_blocks):
+        placement = _INTERLEAVED.get((self.backend.full_cls_name(), self.kv_cache_spec))
+        if placement is None:
+            return original(self, kv_cache, num_blocks)
+        import torch
+
+        unit, lead = placement
+        size = kv_cache.element_size()
+        pair = 2 * unit // size
+        return torch.as_strided(kv_cache, (num_blocks, 1, 1, pair),
+                                (kv_cache.stride(0) * self.kernel_block_stride, pair, pair, 1),
+                                kv_cache.storage_offset() - lead // size)
+
+    return map_kv_cache_to_manager_blocks
 
 
 # ------------------------------------------------------------ ratio-1 writer slots
@@ -739,6 +768,7 @@ def apply(patch: Patch) -> None:
     # targets are patched only when they are the reviewed code.
     _state["split_unreviewed"] = split_unreviewed() or ""
     _state["decisions"] = {}
+    _INTERLEAVED.clear()
     split_reviewed = not _state["split_unreviewed"]
 
     def on_attention(module) -> None:
@@ -769,6 +799,8 @@ def apply(patch: Patch) -> None:
             group = module.AttentionGroup
             patch.replace(group, "_with_kernel_block_table",
                           _with_kernel_slots(group.__dict__["_with_kernel_block_table"]))
+            patch.replace(group, "map_kv_cache_to_manager_blocks",
+                          _with_pair_manager_view(group.__dict__["map_kv_cache_to_manager_blocks"]))
 
     patch.when_imported(ATTENTION_MODULE, on_attention)
     patch.when_imported(FLASHINFER_MODULE, on_flashinfer)
