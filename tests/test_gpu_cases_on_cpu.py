@@ -10,7 +10,7 @@ against the real releases, so that each GPU test is shown -- by construction
 * The fa4 fixture's probe: a child that prints no ``BUG=`` line -- here the
   real probe on a machine where FA4 cannot import -- fails the fixture with
   the child's stderr.
-* DeepSeek-V4.1 (vLLM 0.32.0/0.33.0): the GPU test's PyTorch decode reads
+* DeepSeek-V4.1 (vLLM 0.32.0, 0.33.0, 0.34.0): the GPU test's PyTorch decode reads
   the CPU harness's pages exactly as the harness's FlashInfer-like reader
   does; against the dense truth it is far within ``ATTENTION_TOLERANCE`` for
   the geometry the fix builds, and outside it for the split-untranslated
@@ -158,7 +158,7 @@ def harness_reads():
     return runs
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 def test_dsv41_probe_reads_pages_as_the_harness_reader(harness_reads):
     from gpu.inprocess.call_probes import relative_error
 
@@ -168,7 +168,7 @@ def test_dsv41_probe_reads_pages_as_the_harness_reader(harness_reads):
             assert relative_error(layer["probe"], layer["paged"]) < 1e-5, geometry
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harness_reads):
     """The GPU comparison's tolerance holds for the fix and is exceeded by orders of
     magnitude by a wrong page; a broken geometry also reads unwritten records."""
