@@ -4,7 +4,8 @@ Upstream:   vllm-project/vllm#59203 (report), #56702 (closed report), #56509 and
             #57292 (open candidate fixes; #56509 starts but every output is
             U+FFFD), flashinfer-ai/flashinfer#5323 (report), #5174 (extra page
             32) and #5244/#5121 (extra page 128) -- all open
-Affected:   vLLM 0.32.0 (FlashInfer 0.7.0.post1) and 0.33.0 (FlashInfer 0.7.2.post1)
+Affected:   vLLM 0.32.0 (FlashInfer 0.7.0.post1), 0.33.0 (FlashInfer 0.7.2.post1) and
+            0.34.0 (pins FlashInfer 0.7.3); 0.30.0/0.31.0 carry it but are not covered
 Fixed in:   open
 Hardware:   SM120 (RTX PRO 6000 Blackwell) and SM121 (GB10), where
             FLASHINFER_MLA_SPARSE_DSV41 is the only DeepSeek-V4.1 backend
@@ -24,6 +25,10 @@ Why it breaks
     #56509 splits 128-token manager blocks into 64-token kernel blocks, but the
     ratio-1 writers keep addressing manager slots while readers use the kernel
     table, so writes land in other layers' pages: garbage, not a crash.
+    0.34.0 declares 64-token kernel blocks on SM12x: --block-size 64 then starts
+    with 32-state ratio-2 pages and 32-token SWA pages, and 128 fails at
+    start-up ("... needs 64-token kernel blocks, which packed 128-token KV cache
+    blocks cannot be split into").
 
 How we fix it
     On SM12x only, every page FlashInfer or the indexer reads holds 64 states,
@@ -46,7 +51,8 @@ How we fix it
         kernel block table, it also hands them ``ktable[req, pos // 64] * 64 +
         pos % 64``, computed elementwise from the manager slot into persistent
         per-builder buffers (no allocation or host sync per step; stable
-        addresses for CUDA graphs).  vLLM's planner then holds 1.118x the
+        addresses for CUDA graphs).  Zeroing a newly allocated block clears
+        the block's whole pair region (both caches' interleaved pages).  vLLM's planner then holds 1.118x the
         tokens of upstream's --block-size 128 layout at 8k and 1.042x at 128k.
     per-ratio (fallback)
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
