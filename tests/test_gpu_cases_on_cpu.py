@@ -111,6 +111,38 @@ def test_fa4_probe_without_a_verdict_fails_the_fixture():
     assert probe_verdict(0, "BUG=False\n", "") is False
 
 
+_FA4_THROUGH_SITECUSTOMIZE = """
+import json
+from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
+env = repro.prepare()                      # imports FA4's interface: the probe wraps it
+forward = env.interface._flash_attn_fwd
+wrapped = hasattr(forward, "__wrapped__")
+fix = repro.apply_fix(env)                 # replaces the compile cache on the wrapper
+decision = repro.plan(env, repro.Step((300,), (8192,)))
+looked_up = repro.forward_cache(env).looked_up
+print(json.dumps({"wrapped": wrapped, "fix": fix, "splits": decision.num_splits,
+                  "key_looked_up_in_fixed_cache": decision.key is not None and bool(looked_up)}))
+"""
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fa4_call_probe_loads_through_sitecustomize_beside_the_fix(tmp_path):
+    """The GPU runs' way in: PYTHONPATH=tests/gpu/inprocess; the fix still takes effect."""
+    from gpu.inprocess.call_probes import LOG_ENV, read_log
+
+    log = tmp_path / "calls.jsonl"
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _FA4_THROUGH_SITECUSTOMIZE],
+                          env=_cpu_env(VLLM_PLUGINS="", PYTHONPATH=str(GPU_TESTS / "inprocess"),
+                                       **{LOG_ENV: str(log)}),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"wrapped": True, "fix": "applied", "splits": 8,
+                    "key_looked_up_in_fixed_cache": True}, seen
+    fa4 = [r for r in read_log(log) if r.get("probe") == "fa4"]
+    assert [(r["total_q"], r["num_splits"], r["compile_only"]) for r in fa4] == [(300, 8, True)]
+
+
 # --------------------------------------------------------------- DSV4.1
 
 @pytest.fixture(scope="module")
@@ -187,6 +219,76 @@ def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harne
     assert errors["broken"] >= 10 * ATTENTION_TOLERANCE, errors
     assert unwritten["broken"][0] > 0
     assert errors["broken-stale"] >= 1e3 * ATTENTION_TOLERANCE, errors
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+def test_dsv41_call_probe_wraps_the_entry_vllm_calls(tmp_path):
+    """Imported through sitecustomize, vLLM's module calls the probe, which calls FlashInfer."""
+    from gpu.inprocess.call_probes import LOG_ENV
+
+    code = ("import vllm.models.deepseek_v41.nvidia.flashinfer_sparse as m, vllm.utils.flashinfer as u; "
+            "f = m.flashinfer_trtllm_batch_decode_sparse_mla_dsv4; "
+            "print(f is not u.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 "
+            "and f.__wrapped__ is u.flashinfer_trtllm_batch_decode_sparse_mla_dsv4)")
+    proc = subprocess.run([sys.executable, "-c", code],
+                          env=_cpu_env(PYTHONPATH=str(GPU_TESTS / "inprocess"),
+                                       **{LOG_ENV: str(tmp_path / "calls.jsonl")}),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("True"), proc.stderr[-6000:]
+
+
+def _paged_records(pages: int, rows: int, seed: int):
+    """A uint8 NHD cache [pages, rows, 1, 584] of valid V4 records (random
+    fp8 NoPE, bf16 RoPE, UE8M0 scales near 2**-4)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(pages, rows * 584, dtype=torch.uint8)
+    nope = (torch.randn(pages, rows, 448, generator=gen) * 64).to(torch.float8_e4m3fn)
+    rope = torch.randn(pages, rows, 64, generator=gen).to(torch.bfloat16)
+    data = torch.cat([nope.view(torch.uint8), rope.view(torch.uint8)], dim=2)
+    cache[:, : rows * 576] = data.reshape(pages, rows * 576)
+    scales = torch.randint(120, 124, (pages, rows, 8), generator=gen, dtype=torch.uint8)
+    cache[:, rows * 576:] = scales.reshape(pages, rows * 8)
+    return cache.view(pages, rows, 1, 584)
+
+
+def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_path, monkeypatch):
+    """What the GPU tolerance catches: a kernel addressing the bound pages with another
+    geometry (here 32-row pages over 64-row ones) is far off; a faithful one is not."""
+    import torch
+
+    from gpu.inprocess import call_probes
+    from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
+
+    monkeypatch.setenv(call_probes.LOG_ENV, str(tmp_path / "calls.jsonl"))
+    cache = _paged_records(pages=6, rows=64, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads = 5, 8
+    args = dict(query=torch.randn(tokens, heads, 512, generator=gen).to(torch.bfloat16) * 0.05,
+                swa_kv_cache=cache, sparse_indices=torch.randint(0, 6 * 64, (tokens, 128), generator=gen),
+                swa_topk_lens=torch.tensor([128, 100, 64, 7, 128]), bmm1_scale=512 ** -0.5,
+                sinks=torch.zeros(heads), workspace_buffer=None, kv_layout="NHD")
+    misread = cache.view(torch.uint8).reshape(-1)[: 12 * 32 * 584].view(12, 32, 1, 584)
+
+    def faithful_kernel(**kwargs):
+        call_probes.reference_sparse_mla(**kwargs)
+
+    def misreading_kernel(**kwargs):
+        call_probes.reference_sparse_mla(**{**kwargs, "swa_kv_cache": misread})
+
+    errors = {}
+    for name, kernel in (("faithful", faithful_kernel), ("misreading", misreading_kernel)):
+        module = type("FlashInferSparse", (), {call_probes.DSV41_ENTRY: staticmethod(kernel)})
+        call_probes.instrument_dsv41(module)
+        getattr(module, call_probes.DSV41_ENTRY)(**args, out=torch.empty(tokens, heads, 512,
+                                                                           dtype=torch.bfloat16))
+        record = call_probes.read_log(tmp_path / "calls.jsonl")[-1]
+        assert record["records_read"] == 427 and record["unwritten_read"] == 0, record
+        errors[name] = record["rel_error"]
+    print(errors)
+    assert errors["faithful"] <= ATTENTION_TOLERANCE / 4, errors
+    assert errors["misreading"] >= 10 * ATTENTION_TOLERANCE, errors
 
 
 # ---------------------------------------------------------- declared GPU

@@ -189,7 +189,7 @@ def instrument_dsv41(module) -> None:
         import torch
 
         result = original(**kwargs)
-        if torch.cuda.is_current_stream_capturing():
+        if kwargs["query"].is_cuda and torch.cuda.is_current_stream_capturing():
             emit({"probe": "dsv41", "skipped": "CUDA graph capture"})
             return result
         record = {"probe": "dsv41", "tokens": int(kwargs["query"].shape[0]),
