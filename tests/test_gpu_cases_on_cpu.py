@@ -16,6 +16,10 @@ against the real releases, so that each GPU test is shown -- by construction
   the geometry the fix builds, and outside it for the split-untranslated
   geometry: 35x where the wrong pages are zeroed (and then counted as
   unwritten reads), 1e13x where they hold other data.
+* The call probe loads in vLLM's processes through ``sitecustomize`` (FA4's
+  interface beside the FA4 fix; the FlashInfer SM120 entry vLLM's DeepSeek-V4.1
+  module bound), and its attention check flags a kernel that addresses the
+  bound pages with another page geometry.
 * Declared GPU: with ``VLLM_MLA_FIXES_EXPECT_GPU_CC`` a "no GPU" skip fails,
   a session with no passed test fails, and the preflight fails on a machine
   without the GPU; without the variable all of it stays a skip.
