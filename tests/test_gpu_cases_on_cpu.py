@@ -295,6 +295,32 @@ def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_pat
     assert errors["misreading"] >= 10 * ATTENTION_TOLERANCE, errors
 
 
+def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
+    """The with-fix GPU test cannot pass on a run whose attention calls prove nothing."""
+    from gpu.test_dsv41_sm120_gpu import (ATTENTION_LAYERS, COMPRESSED_LAYERS, MAX_TOKENS,
+                                          attention_summary, run_problems)
+
+    def run(records):
+        return {"healthy": True, "request_error": None, "completions": [[5] * MAX_TOKENS],
+                "attention": attention_summary([{"probe": "install"}, *records])}
+
+    def call(error, extra=True, unwritten=0):
+        return {"probe": "dsv41", "rel_error": error, "records_read": 200,
+                "unwritten_read": unwritten, "swa_page": [64, 37376],
+                "extra_page": [64, 46080] if extra else None}
+
+    steps = [call(0.004, extra=layer < COMPRESSED_LAYERS)
+             for _ in range(MAX_TOKENS) for layer in range(ATTENTION_LAYERS)]
+    assert run_problems(run(steps), 1, MAX_TOKENS) == []
+    assert run_problems(run([]), 1, MAX_TOKENS)                      # nothing compared
+    assert run_problems(run(steps[:-1]), 1, MAX_TOKENS)              # a call missing
+    assert run_problems(run(steps + [call(0.7)]), 1, MAX_TOKENS)     # a wrong page
+    assert run_problems(run(steps + [call(float("inf"))]), 1, MAX_TOKENS)
+    assert run_problems(run(steps + [call(0.0, unwritten=3)]), 1, MAX_TOKENS)
+    assert run_problems(run(steps + [{"probe": "dsv41", "probe_error": "x"}]), 1, MAX_TOKENS)
+    assert run_problems({**run(steps), "healthy": False}, 1, MAX_TOKENS)
+
+
 # ---------------------------------------------------------- declared GPU
 
 def test_declared_gpu_turns_skip_into_failure_only_for_the_declared_gpu():

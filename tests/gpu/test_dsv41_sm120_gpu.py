@@ -13,12 +13,14 @@ sparse-MLA entry inside the served process and, after every eager call,
 decodes the same records through the same cache views and indices in
 PyTorch.  It reads pages the way FlashInfer does (the view's rows, offset
 and page stride), so it follows whichever geometry vLLM bound.  A test
-passes only if at least one call per prompt and layer was compared
-(prefill runs eagerly; CUDA-graph replays of decode bypass Python), every
-call's relative L2 error is below ``ATTENTION_TOLERANCE`` (0.02), and no
-record read was never written.  The first catches a kernel that addresses
-the bound pages differently from their geometry (rows, page stride, footer
-offset); the second, writers and readers that disagree on pages (read slots
+passes only if every compared call's relative L2 error is below
+``ATTENTION_TOLERANCE`` (0.02) and no record read was never written.  Runs
+with ``--enforce-eager`` must have compared every call of every step; CUDA
+graph replays bypass Python, so runs with graphs compare the calls that ran
+eagerly and count them in the results file.  The tolerance catches a
+kernel that addresses the bound pages differently from their geometry
+(rows, page stride, footer offset); the unwritten count, writers and
+readers that disagree on pages (read slots
 nothing wrote: KV caches start zeroed and a fresh server hands these few
 prompts blocks no request used before).  Measured on the CPU harness with
 the probe's own decode against the dense truth, which only the harness has
@@ -130,19 +132,22 @@ def attention_summary(records: list[dict]) -> dict:
     }
 
 
-def attention_problems(summary: dict, prompts: int) -> list[str]:
-    """Why this run's attention calls do not prove a correct geometry (empty: they do)."""
+def attention_problems(summary: dict, prompts: int, steps: int) -> list[str]:
+    """Why this run's attention calls do not prove a correct geometry (empty:
+    they do).  ``steps``: forward steps per prompt whose calls must all have
+    been compared (MAX_TOKENS in an eager run; 0 where CUDA graphs hide some)."""
     problems = []
     if not summary["probe_installed"]:
         problems.append("the call probe did not load in the served process")
     if summary["probe_errors"]:
         problems.append(f"probe errors: {summary['probe_errors']}")
-    if summary["compared"] < prompts * ATTENTION_LAYERS:
+    if summary["compared"] < prompts * steps * ATTENTION_LAYERS:
         problems.append(f"{summary['compared']} attention calls compared, expected at least "
-                        f"{prompts * ATTENTION_LAYERS} ({prompts} prompts x {ATTENTION_LAYERS} layers)")
-    if summary["compared_with_compressed"] < prompts * COMPRESSED_LAYERS:
+                        f"{prompts * steps * ATTENTION_LAYERS} ({prompts} prompts x {steps} "
+                        f"steps x {ATTENTION_LAYERS} layers)")
+    if summary["compared_with_compressed"] < prompts * steps * COMPRESSED_LAYERS:
         problems.append(f"{summary['compared_with_compressed']} calls with a compressed segment, "
-                        f"expected at least {prompts * COMPRESSED_LAYERS}")
+                        f"expected at least {prompts * steps * COMPRESSED_LAYERS}")
     if summary["max_rel_error"] is not None and not summary["max_rel_error"] <= ATTENTION_TOLERANCE:
         problems.append(f"FlashInfer differs from the PyTorch decode of the same pages: relative "
                         f"error {summary['max_rel_error']:.3g} > {ATTENTION_TOLERANCE}")
@@ -152,7 +157,7 @@ def attention_problems(summary: dict, prompts: int) -> list[str]:
     return problems
 
 
-def run_problems(result: dict, prompts: int) -> list[str]:
+def run_problems(result: dict, prompts: int, steps: int = 0) -> list[str]:
     """Everything a correct run must satisfy; empty for a correct run."""
     problems = []
     if not result["healthy"]:
@@ -162,7 +167,7 @@ def run_problems(result: dict, prompts: int) -> list[str]:
     if len(result["completions"]) != prompts or any(len(c) != MAX_TOKENS
                                                     for c in result["completions"]):
         problems.append(f"{len(result['completions'])} of {prompts} completions")
-    return problems + attention_problems(result["attention"], prompts)
+    return problems + attention_problems(result["attention"], prompts, steps)
 
 
 # -------------------------------------------------------------------- tests
@@ -195,9 +200,9 @@ def _record(tmp_path_factory, name: str, result: dict, problems: list[str]) -> N
 def test_without_fix_block_size_64_upstream_outcome(sm12x, tmp_path, tmp_path_factory):
     """Proves: unpatched --block-size 64 is broken on every release (0.32/0.33 refuse to start)."""
     version = sm12x[1]
-    result = serve_and_generate(issue_flags(64), {"VLLM_MLA_FIXES": "none"}, tmp_path,
-                                prompts=PROMPTS[:1])
-    problems = run_problems(result, 1)
+    result = serve_and_generate(issue_flags(64) + ["--enforce-eager"], {"VLLM_MLA_FIXES": "none"},
+                                tmp_path, prompts=PROMPTS[:1])
+    problems = run_problems(result, 1, MAX_TOKENS)
     _record(tmp_path_factory, f"dsv41_without_fix_bs64_{version}", result, problems)
     if version.startswith(("0.32.", "0.33.")):
         assert not result["healthy"]
@@ -214,11 +219,11 @@ def test_without_fix_block_size_128_upstream_outcome(sm12x, tmp_path, tmp_path_f
     32-token SWA page.  0.33.0 (0.7.2.post1 accepts it): the ratio-1 indexer
     pages (128 states) are outside SM120's paged-MQA kernels -- whatever form
     that takes (error, wrong pages), the run must fail a check the fixed run
-    passes.  0.34.0: refuses to start."""
+    passes.  0.34.0: refuses to start.  Eager, so that every attention call is compared."""
     version = sm12x[1]
-    result = serve_and_generate(issue_flags(128), {"VLLM_MLA_FIXES": "none"}, tmp_path,
-                                prompts=PROMPTS[:1])
-    problems = run_problems(result, 1)
+    result = serve_and_generate(issue_flags(128) + ["--enforce-eager"], {"VLLM_MLA_FIXES": "none"},
+                                tmp_path, prompts=PROMPTS[:1])
+    problems = run_problems(result, 1, MAX_TOKENS)
     _record(tmp_path_factory, f"dsv41_without_fix_bs128_{version}", result, problems)
     if version.startswith("0.32."):
         assert "page_block_size=32" in result["log"], result["log"][-4000:]
@@ -227,14 +232,18 @@ def test_without_fix_block_size_128_upstream_outcome(sm12x, tmp_path, tmp_path_f
     assert problems, f"unpatched {version} --block-size 128 served correctly: {result['attention']}"
 
 
-@pytest.mark.parametrize("block_size", [128, 64])
-def test_with_fix_serves_and_matches_at_the_attention_call(sm12x, block_size, tmp_path,
+@pytest.mark.parametrize("block_size, eager", [(128, False), (128, True), (64, False)],
+                         ids=["bs128", "bs128-eager", "bs64"])
+def test_with_fix_serves_and_matches_at_the_attention_call(sm12x, block_size, eager, tmp_path,
                                                            tmp_path_factory):
     """Proves: with the fix the issue's serve line starts, answers every prompt, and FlashInfer's
-    output equals a PyTorch decode of the pages it read, in every compared call."""
-    result = serve_and_generate(issue_flags(block_size), {"VLLM_MLA_FIXES": "all"}, tmp_path)
-    problems = run_problems(result, len(PROMPTS))
-    _record(tmp_path_factory, f"dsv41_with_fix_bs{block_size}_{sm12x[1]}", result, problems)
+    output equals a PyTorch decode of the pages it read, in every compared call (eager: every
+    call of every step; with CUDA graphs: the calls that ran eagerly)."""
+    args = issue_flags(block_size) + (["--enforce-eager"] if eager else [])
+    result = serve_and_generate(args, {"VLLM_MLA_FIXES": "all"}, tmp_path)
+    problems = run_problems(result, len(PROMPTS), MAX_TOKENS if eager else 0)
+    name = f"dsv41_with_fix_bs{block_size}{'_eager' if eager else ''}_{sm12x[1]}"
+    _record(tmp_path_factory, name, result, problems)
     log = result["log"]
     assert "vllm-mla-fixes: applied dsv41-sm120-geometry" in log, log[-4000:]
     assert "page_block_size=32" not in log and "No common block size" not in log
