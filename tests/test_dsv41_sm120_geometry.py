@@ -1,11 +1,16 @@
-"""dsv41-sm120-geometry on the real vLLM 0.32.0 / 0.33.0 releases (issue 5, part A).
+"""dsv41-sm120-geometry on the real vLLM 0.32.0 / 0.33.0 / 0.34.0 releases (issues 5 and 9).
 
-First the upstream failures through vLLM's own start-up path (layers -> specs
--> planner -> attention groups -> kernel block sizes -> allocation and
-binding) and FlashInfer's own SM120 planner; then the fix applied as on an
-SM120 device: every page FlashInfer and the indexer read holds 64 states,
-every group keeps its manager blocks whole, the start-up self-check passes
-(and fails loudly on the upstream geometry); SM90/SM100 see no change.
+First the upstream failures of 0.32.0/0.33.0 through vLLM's own start-up path
+(layers -> specs -> planner -> attention groups -> kernel block sizes ->
+allocation and binding) and FlashInfer's own SM120 planner (0.34.0's are in
+``test_dsv41_release_0_34.py``); then the fix applied as on an SM120 device:
+every page FlashInfer and the indexer read holds 64 states, the start-up
+self-check passes (and fails loudly on the upstream geometry); SM90/SM100 see
+no change.  The default geometry (interleaved split) binds the ratio-1 pair as
+interleaved 64-state kernel pages that tile each block with the other pages,
+translates the ratio-1 writer slots to the kernel-table formula, zeroes new
+blocks over exactly their pages, and beats upstream's capacity; the per-ratio
+fallback is chosen, and says why, where the split is not proven safe.
 """
 from __future__ import annotations
 

@@ -295,8 +295,8 @@ _state: dict[str, Any] = {"split_unreviewed": None, "decisions": {}}
 def _config_triggers(vllm_config: Any) -> str | None:
     """The first engine setting under which the split is not proven safe."""
     if getattr(vllm_config, "speculative_config", None) is not None:
-        return ("speculative decoding is configured (draft-decode metadata updates recompute "
-                "ratio-1 slots from manager blocks)")
+        return ("speculative decoding is configured (drafters and draft-decode metadata "
+                "updates address manager-block slots; not reviewed with the split)")
     cache = getattr(vllm_config, "cache_config", None)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         return "a KV connector is configured (connectors address manager-block pages per token)"
@@ -392,6 +392,9 @@ def geometry_decision(vllm_config: Any) -> tuple[str, str]:
 
 def _decision_for_specs(vllm_config: Any) -> Decision:
     decision = _decide(vllm_config)
+    if decision.geometry == SPLIT and not decision.unit:
+        decision = Decision(PER_RATIO, "the model's ratio-1 caches are not registered in the "
+                                       "forward context, so the interleave unit is unknown")
     key = (decision.geometry, decision.reason)
     if key not in _state["decisions"]:
         _state["decisions"][key] = decision
@@ -410,7 +413,7 @@ def status_detail() -> str:
         return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
     return (f"geometry chosen when the model loads: {SPLIT} by default, {PER_RATIO} with "
             "speculative decoding, a KV connector or offloading, DCP/PCP > 1, HiSparse, another "
-            f"KV record, or {GEOMETRY_ENV}=per-ratio")
+            f"KV record, ratio-1 caches that do not pair up, or {GEOMETRY_ENV}=per-ratio")
 
 
 def _logger():
