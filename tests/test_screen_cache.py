@@ -136,3 +136,14 @@ def test_every_vllm_process_after_the_first_parses_nothing(tmp_path):
     assert results[0]["states"] == results[1]["states"]
     assert ["fp8-ds-mla-reshape", "applied"] == results[1]["states"][0][:2]
     assert results[0]["parsed"] > 0 and results[1]["parsed"] == 0
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0")
+def test_a_changed_reviewed_table_is_screened_again(cache, monkeypatch):
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
+
+    assert dsv41.probe((12, 0)) is None  # cached: the reviewed code
+    target = (dsv41.ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec")
+    monkeypatch.setitem(dsv41.REVIEWED, target, {"0000000000000000": "not this release"})
+    with pytest.raises(patching.TargetMismatch, match="get_kv_cache_spec"):
+        dsv41.probe((12, 0))

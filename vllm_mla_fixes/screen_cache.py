@@ -9,7 +9,8 @@ stored under a key made of:
 
 * the sha256 of every source file of the modules in the fix's ``REVIEWED``
   table (a test checks that a screen reads no other vLLM file);
-* the sha256 of the fix module's own source and of ``patching.py``.
+* the sha256 of the fix module's own source and of ``patching.py``, and the
+  ``REVIEWED`` table itself (as in force in the process).
 
 Hashing the files costs about a millisecond; any change to any of them is a
 different key, so a hand-edited vLLM file is screened again.  Only verdicts are
@@ -51,8 +52,8 @@ def source_file(module_name: str) -> Path | None:
     return None
 
 
-def _digest(paths: Iterable[Path | None], names: Iterable[str]) -> str:
-    digest = hashlib.sha256()
+def _digest(paths: Iterable[Path | None], names: Iterable[str], extra: str = "") -> str:
+    digest = hashlib.sha256(extra.encode())
     for name, path in zip(names, paths):
         digest.update(name.encode() + b"\0")
         digest.update(path.read_bytes() if path is not None else b"<no source>")
@@ -67,7 +68,8 @@ def screen_key(fix: ModuleType) -> str:
     modules = sorted({module for module, _ in fix.REVIEWED})
     own = [Path(fix.__file__), Path(patching.__file__)]
     return _digest([*own, *(source_file(m) for m in modules)],
-                   [fix.__name__, patching.__name__, *modules])
+                   [fix.__name__, patching.__name__, *modules],
+                   extra=repr(sorted(fix.REVIEWED.items())))  # the table in force, even if changed at runtime
 
 
 def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
