@@ -1,7 +1,8 @@
 """The fixes, in the order :func:`vllm_mla_fixes.register` applies them.
 
 Each module holds one fix: a DEP-3-style header, ``INFO`` (a
-:class:`~vllm_mla_fixes.patching.FixInfo`), ``probe()`` and ``apply(patch)``.
+:class:`~vllm_mla_fixes.patching.FixInfo`), ``probe()``, ``apply(patch)`` and
+``diagnose(env, serve)`` (``doctor``'s findings; types in :mod:`vllm_mla_fixes.report`).
 Modules import vLLM only inside ``probe``/``apply``, so importing this package
 stays cheap.
 """
