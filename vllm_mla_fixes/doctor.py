@@ -199,7 +199,7 @@ def environment_findings(env: Environment) -> list[Finding]:
     if py_v and bind_v and (major_minor(py_v) or (0,))[:1] != (major_minor(bind_v) or (0,))[:1]:
         findings.append(Finding("warn", "environment", f"cuda-python {py_v} beside cuda-bindings {bind_v}: "
                                 "both write cuda/bindings, and whichever was installed last wins; with "
-                                "12.x files, vllm.models.deepseek_v41 and FA4's CuTe code fail to import "
+                                "12.x files, vllm.models.deepseek_v41 fails to import "
                                 "(cuda.bindings.runtime has no attribute cudaLibrary_t)",
                                 CUDA_PYTHON_REMEDY))
     return findings
