@@ -10,7 +10,8 @@ stored under a key made of:
 * the sha256 of every source file of the modules in the fix's ``REVIEWED``
   table (a test checks that a screen reads no other vLLM file);
 * the sha256 of the fix module's own source and of ``patching.py``, and the
-  ``REVIEWED`` table itself (as in force in the process).
+  module's upper-case constants as in force in the process (``REVIEWED``,
+  reviewed signatures; tests change some at runtime).
 
 Hashing the files costs about a millisecond; any change to any of them is a
 different key, so a hand-edited vLLM file is screened again.  Only verdicts are
@@ -68,8 +69,24 @@ def screen_key(fix: ModuleType) -> str:
     modules = sorted({module for module, _ in fix.REVIEWED})
     own = [Path(fix.__file__), Path(patching.__file__)]
     return _digest([*own, *(source_file(m) for m in modules)],
-                   [fix.__name__, patching.__name__, *modules],
-                   extra=repr(sorted(fix.REVIEWED.items())))  # the table in force, even if changed at runtime
+                   [fix.__name__, patching.__name__, *modules], extra=_constants(fix))
+
+
+def _constants(fix: ModuleType) -> str:
+    """The fix module's upper-case constants as in force in this process
+    (``REVIEWED``, reviewed signatures, ...), in a form stable across
+    processes: a runtime change to one is a different key."""
+    def canonical(value):
+        if isinstance(value, (set, frozenset)):  # iteration order varies with hash seeds
+            return sorted((canonical(v) for v in value), key=repr)
+        if isinstance(value, dict):
+            return [(canonical(k), canonical(v)) for k, v in value.items()]
+        if isinstance(value, (tuple, list)):
+            return [canonical(v) for v in value]
+        return value
+
+    return repr([(name, canonical(value)) for name, value in sorted(vars(fix).items())
+                 if name.isupper() and isinstance(value, (str, int, float, tuple, list, set, frozenset, dict))])
 
 
 def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
