@@ -66,7 +66,7 @@ def test_glm_line_on_fixed_release_needs_nothing():
     proc = doctor("--json", "--", *GLM_LINE)
     assert proc.returncode == 0
     (finding,) = [f for f in _findings(proc) if f["topic"] == "fp8-ds-mla-reshape"]
-    assert finding["level"] == "ok" and "does not have this bug" in finding["message"]
+    assert finding["level"] == "ok" and "not needed: fixed upstream in vLLM 0.26.0" in finding["message"]
 
 
 @pytest.mark.vllm_release("0.25.1")

@@ -117,3 +117,22 @@ def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypat
     assert len(warnings) == 1, warnings
     assert "dsv41-sm120-geometry" in warnings[0] and "not reviewed" in warnings[0]
     assert "newer than 0.34.0, the newest release reviewed for this fix" in warnings[0]
+
+
+@pytest.mark.parametrize("fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table])
+def test_doctor_follows_the_same_rule(fix, version):
+    """doctor's finding for a release the gate decides says what the plugin says."""
+    from vllm_mla_fixes.report import Environment
+
+    expected = EXPECTED[fix][version].format(v=version)
+    if expected == PROBE:
+        return
+    env = Environment(packages={"vllm": version}, gpu=None, capability=None, torch_cuda=None,
+                      vllm_plugins=None, mla_fixes=None, fix_states={})
+    finding = FIXES_BY_NAME[fix].diagnose(env, None)[0]
+    if expected == "not-needed":
+        assert finding.level == "ok" and finding.message.startswith("not needed: "), finding
+    else:
+        assert finding.level == "warn" and finding.message.startswith(expected), finding
+        if "not reviewed" in expected:
+            assert "serve with vLLM 0.34.0" in finding.advice, finding

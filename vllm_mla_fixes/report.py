@@ -92,6 +92,19 @@ def fix_verdict(env: Environment, name: str) -> Finding:
                    "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix")
 
 
+def release_finding(name: str, decided, newest_reviewed: str) -> Finding:
+    """doctor's finding when the release alone decides fix ``name``: the same
+    rule as the plugin's (``decided`` is the gate's ``FixStatus``, from
+    ``patching.release_decision``)."""
+    if decided.state.value == "not-needed":
+        return Finding("ok", name, f"not needed: {decided.reason}")
+    advice = ""
+    if decided.reason.startswith("not reviewed"):
+        advice = (f"serve with vLLM {newest_reviewed}, the newest release reviewed for this fix, or "
+                  "with a vllm-mla-fixes that has reviewed this release")
+    return Finding("warn", name, f"skipped: {decided.reason}; the plugin leaves vLLM untouched here", advice)
+
+
 def install_advice() -> str:
     """The command that installs this copy of the package (it is not on PyPI)."""
     root = Path(__file__).resolve().parent.parent

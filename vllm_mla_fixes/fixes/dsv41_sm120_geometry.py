@@ -833,13 +833,15 @@ def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
     :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
     :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor
+    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor, release_finding
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
-    if not vllm_version or not INFO.admits(vllm_version):
-        return [Finding("ok", name, f"vLLM {vllm_version} is outside the releases this fix reviews "
-                        f"({', '.join(INFO.affected_releases)})")]
+    if not vllm_version:
+        return []  # doctor's environment check says vLLM is missing
+    decided = patching.release_decision(INFO, vllm_version)
+    if decided is not None:
+        return [release_finding(name, decided, INFO.newest_reviewed)]
     if serve is not None and serve.model_config and "DeepseekV41ForCausalLM" not in serve.architectures:
         return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
     sm = env.capability

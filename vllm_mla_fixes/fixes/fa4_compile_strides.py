@@ -364,18 +364,19 @@ def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
     :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
     :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import MLA_ARCHITECTURES, Finding as F
+    from vllm_mla_fixes.report import MLA_ARCHITECTURES, Finding as F, release_finding
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
     cutlass = env.packages.get("nvidia-cutlass-dsl")
     quack = env.packages.get("quack-kernels")
     findings = []
-    if not vllm_version or not INFO.admits(vllm_version):
-        findings.append(F("ok", name, f"vLLM {vllm_version} does not have this bug (affected: "
-                          f"{', '.join(INFO.affected_releases)} and nightlies of that period; "
-                          f"fixed in {INFO.fixed_in})"))
-        if vllm_version and vllm_version.startswith("0.26.") and cutlass == CUTLASS_PIN_FIXED:
+    if not vllm_version:
+        return findings  # doctor's environment check says vLLM is missing
+    decided = patching.release_decision(INFO, vllm_version)
+    if decided is not None:
+        findings.append(release_finding(name, decided, INFO.newest_reviewed))
+        if vllm_version.startswith("0.26.") and cutlass == CUTLASS_PIN_FIXED:
             findings.append(F("info", name, f"nvidia-cutlass-dsl {cutlass} (0.26.0's pin): a third-party "
                               "report (vllm#51566, unverified) says it rejects the SM100 Split-KV "
                               "kernel with TYPE_UNSTABLE_JOIN; the same report says cutlass-dsl "
