@@ -120,16 +120,21 @@ def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypat
 
 
 @pytest.mark.parametrize("fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table])
-def test_doctor_follows_the_same_rule(fix, version):
-    """doctor's finding for a release the gate decides says what the plugin says."""
+def test_doctor_follows_the_same_rule(fix, version, monkeypatch):
+    """doctor's finding for a release the gate decides says what the plugin says;
+    where the probe decides, the fix's own diagnosis runs."""
+    from vllm_mla_fixes.doctor import diagnose
     from vllm_mla_fixes.report import Environment
 
     expected = EXPECTED[fix][version].format(v=version)
-    if expected == PROBE:
-        return
     env = Environment(packages={"vllm": version}, gpu=None, capability=None, torch_cuda=None,
                       vllm_plugins=None, mla_fixes=None, fix_states={})
-    finding = FIXES_BY_NAME[fix].diagnose(env, None)[0]
+    monkeypatch.setattr("vllm_mla_fixes.doctor.read_environment", lambda load_plugins: env)
+    findings = [f for f in diagnose([])[2] if f.topic == fix]
+    if expected == PROBE:
+        assert findings == FIXES_BY_NAME[fix].diagnose(env, None)
+        return
+    (finding,) = findings
     if expected == "not-needed":
         assert finding.level == "ok" and finding.message.startswith("not needed: "), finding
     else:

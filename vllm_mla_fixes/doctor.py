@@ -16,7 +16,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from vllm_mla_fixes.fixes import ALL_FIXES
-from vllm_mla_fixes.report import Environment, Finding, ServeLine, major_minor, plugins_advice
+from vllm_mla_fixes.patching import release_decision
+from vllm_mla_fixes.report import (Environment, Finding, ServeLine, major_minor, plugins_advice,
+                                 release_finding)
 
 PACKAGES = ("vllm", "torch", "torchaudio", "torchvision", "flashinfer-python", "flashinfer-cubin",
             "flashinfer-jit-cache", "nvidia-cutlass-dsl", "quack-kernels", "deep-gemm",
@@ -212,8 +214,15 @@ def diagnose(serve_args: list[str], load_plugins: bool = True) -> tuple[Environm
     serve = parse_serve_args(serve_args) if serve_args else None
     env = read_environment(load_plugins)
     findings = environment_findings(env)
+    vllm_version = env.packages.get("vllm")
     for fix in ALL_FIXES:
-        findings += fix.diagnose(env, serve)
+        if vllm_version is None:
+            continue  # the environment finding above says so
+        decided = release_decision(fix.INFO, vllm_version)  # the plugin's own rule
+        if decided is None:
+            findings += fix.diagnose(env, serve)
+        else:
+            findings.append(release_finding(fix.INFO.name, decided, fix.INFO.newest_reviewed))
     return env, serve, findings
 
 

@@ -830,18 +830,13 @@ def for_capability(capability: tuple[int, int]):
 # ------------------------------------------------------------------------ doctor
 
 def diagnose(env, serve) -> list:
-    """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
-    :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
-    :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor, release_finding
+    """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
+    decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
+    a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
-    if not vllm_version:
-        return []  # doctor's environment check says vLLM is missing
-    decided = patching.release_decision(INFO, vllm_version)
-    if decided is not None:
-        return [release_finding(name, decided, INFO.newest_reviewed)]
     if serve is not None and serve.model_config and "DeepseekV41ForCausalLM" not in serve.architectures:
         return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
     sm = env.capability

@@ -356,32 +356,20 @@ def patch_now(patch: Patch) -> None:
 # -- doctor ------------------------------------------------------------------------
 
 CUTLASS_PIN_AFFECTED = "4.5.2"      # what 0.25.0/0.25.1 pin
-CUTLASS_PIN_FIXED = "4.6.0"         # what 0.26.0 pins (see the caveat in INFO.workarounds)
 DISK_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
 def diagnose(env, serve) -> list:
-    """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
-    :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
-    :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import MLA_ARCHITECTURES, Finding as F, release_finding
+    """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
+    decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
+    a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import MLA_ARCHITECTURES, Finding as F
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
     cutlass = env.packages.get("nvidia-cutlass-dsl")
     quack = env.packages.get("quack-kernels")
     findings = []
-    if not vllm_version:
-        return findings  # doctor's environment check says vLLM is missing
-    decided = patching.release_decision(INFO, vllm_version)
-    if decided is not None:
-        findings.append(release_finding(name, decided, INFO.newest_reviewed))
-        if vllm_version.startswith("0.26.") and cutlass == CUTLASS_PIN_FIXED:
-            findings.append(F("info", name, f"nvidia-cutlass-dsl {cutlass} (0.26.0's pin): a third-party "
-                              "report (vllm#51566, unverified) says it rejects the SM100 Split-KV "
-                              "kernel with TYPE_UNSTABLE_JOIN; the same report says cutlass-dsl "
-                              "4.6.2 does not"))
-        return findings
     sm = env.capability[0] if env.capability else None
     facts = (f"vLLM {vllm_version}, nvidia-cutlass-dsl {cutlass or '-'}, quack-kernels {quack or '-'}, "
              f"GPU {'SM%d%d' % env.capability if env.capability else 'not visible'}")

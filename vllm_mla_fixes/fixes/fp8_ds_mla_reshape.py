@@ -42,7 +42,7 @@ import inspect
 import math
 import sys
 
-from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch, find_definition, release_decision, vllm_source
+from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch, find_definition, vllm_source
 
 INFO = FixInfo(
     name="fp8-ds-mla-reshape",
@@ -219,18 +219,13 @@ def apply(patch: Patch) -> None:
 # -- doctor ------------------------------------------------------------------------
 
 def diagnose(env, serve) -> list:
-    """``vllm-mla-fixes doctor``'s findings for this fix (``env``: a
-    :class:`~vllm_mla_fixes.report.Environment`, ``serve``: a
-    :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import SPARSE_MLA_ARCHITECTURES, Finding, fix_verdict, release_finding
+    """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
+    decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
+    a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import SPARSE_MLA_ARCHITECTURES, Finding, fix_verdict
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
-    if not vllm_version:
-        return []  # doctor's environment check says vLLM is missing
-    decided = release_decision(INFO, vllm_version)
-    if decided is not None:
-        return [release_finding(name, decided, INFO.newest_reviewed)]
     if serve is None:
         return [Finding("info", name, f"vLLM {vllm_version} has this bug for sparse-MLA models "
                         "(GLM-5.x, DeepSeek-V3.2) with --kv-cache-dtype fp8 on FLASHMLA_SPARSE"),
