@@ -451,6 +451,32 @@ def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
         fresh_plugin.revert_all()
 
 
+def test_engine_log_names_the_geometry_the_gpu_test_asserts(monkeypatch):
+    """The served process logs the geometry once; the SM120 GPU test asserts
+    this line to prove the default geometry (not the fallback) was compared."""
+    import logging
+
+    import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.mla_fixes")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # a served process logs INFO
+    monkeypatch.setitem(fix._state, "decisions", {})
+    try:
+        with repro.applied((12, 0)):
+            repro.plan_geometry(128)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r in records if "KV geometry" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"DeepSeek-V4.1 KV geometry {fix.SPLIT} (" in lines[0]
+
+
 class _BuilderStandIn:
     def __init__(self, vllm_config, device):
         self.vllm_config = vllm_config

@@ -47,6 +47,7 @@ from pathlib import Path
 import pytest
 
 from gpu.inprocess.call_probes import LOG_ENV, read_log
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 PROBE_DIR = Path(__file__).with_name("inprocess")
@@ -246,5 +247,7 @@ def test_with_fix_serves_and_matches_at_the_attention_call(sm12x, block_size, ea
     _record(tmp_path_factory, name, result, problems)
     log = result["log"]
     assert "vllm-mla-fixes: applied dsv41-sm120-geometry" in log, log[-4000:]
+    # The default geometry, not the fallback, is what this line must get and what was compared.
+    assert f"DeepSeek-V4.1 KV geometry {SPLIT} " in log, log[-4000:]
     assert "page_block_size=32" not in log and "No common block size" not in log
     assert not problems, (problems, log[-4000:])

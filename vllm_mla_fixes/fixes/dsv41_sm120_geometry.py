@@ -659,9 +659,9 @@ _SLOT_BUFFERS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictiona
 
 
 def _slot_buffers(builder: Any) -> tuple:
-    """Persistent (slots, block index, pad mask) buffers of one metadata
-    builder, sized for the scheduler's token budget: allocated once (when the
-    views are bound, or on a builder's first build), reused every step."""
+    """Persistent (slots, block index) buffers of one metadata builder, sized
+    for the scheduler's token budget: allocated once (when the views are
+    bound, or on a builder's first build), reused every step."""
     buffers = _SLOT_BUFFERS.get(builder)
     if buffers is None:
         import torch
@@ -669,31 +669,29 @@ def _slot_buffers(builder: Any) -> tuple:
         tokens = builder.vllm_config.scheduler_config.max_num_batched_tokens
         device = builder.device
         buffers = (torch.empty(tokens, dtype=torch.int64, device=device),
-                   torch.empty(tokens, dtype=torch.int64, device=device),
-                   torch.empty(tokens, dtype=torch.bool, device=device))
+                   torch.empty(tokens, dtype=torch.int64, device=device))
         _SLOT_BUFFERS[builder] = buffers
     return buffers
 
 
 def kernel_slots(group: Any, slot_mapping: Any, ubatch_idx: int = 0) -> Any:
     """Manager-block slots -> kernel-block slots of an interleaved group:
-    ``ktable[req, pos // k] * k + pos % k`` = ``(s // B) * S * k + s % B``,
-    pads (negative slots) kept; written into the builder's persistent buffer."""
+    ``ktable[req, pos // k] * k + pos % k`` = ``s + (s // B) * (S * k - B)``
+    for manager block B, kernel block k and kernel-block stride S.  A pad
+    (negative slot) has ``s // B < 0``, clamped to 0, so it is kept as is.
+    Three elementwise ops into the builder's persistent buffers per step."""
     import torch
 
-    slots, blocks, pads = _slot_buffers(group.get_metadata_builder(ubatch_idx))
+    slots, blocks = _slot_buffers(group.get_metadata_builder(ubatch_idx))
     n = slot_mapping.shape[0]
     if slot_mapping.dim() != 1 or n > slots.shape[0]:
         raise PageGeometryError(
             f"{INFO.name}: slot mapping of shape {tuple(slot_mapping.shape)} exceeds the "
             f"{slots.shape[0]}-token buffer of the interleaved split")
-    out, block, pad = slots[:n], blocks[:n], pads[:n]
     manager_block = group.kv_cache_spec.block_size
-    torch.lt(slot_mapping, 0, out=pad)
-    torch.div(slot_mapping, manager_block, rounding_mode="floor", out=block)
-    torch.remainder(slot_mapping, manager_block, out=out)
-    out.add_(block, alpha=group.kernel_block_stride * group.kernel_block_size)
-    return torch.where(pad, slot_mapping, out, out=out)
+    block = torch.div(slot_mapping, manager_block, rounding_mode="floor", out=blocks[:n]).clamp_(min=0)
+    shift = group.kernel_block_stride * group.kernel_block_size - manager_block
+    return torch.add(slot_mapping, block, alpha=shift, out=slots[:n])
 
 
 def _with_kernel_slots(original: Callable) -> Callable:
