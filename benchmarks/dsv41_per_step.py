@@ -44,6 +44,9 @@ def main() -> None:
         group.metadata_builders = [_Builder(geometry.vllm_config, repro.CPU)]
         requests, blocks_per_request = 64, 64
         table = torch.randint(0, 1000, (requests, blocks_per_request), dtype=torch.int32)
+        # vLLM's persistent kernel block table, as its model runner sizes it (the real one is on the GPU).
+        group.kernel_block_table = torch.zeros(1, requests, 2 * blocks_per_request, dtype=torch.int32)
+        group.kernel_block_offsets = torch.arange(2, dtype=torch.int32)
         rounds, calls = 15, 500
         print(f"vLLM {vllm.__version__}, torch {torch.__version__}, CPU, 1 thread; best of {rounds} "
               f"interleaved rounds x {calls} calls")

@@ -1,10 +1,10 @@
 """Per-step overhead of the fixes, on the installed vLLM (CPU).
 
-Only one replaced function runs per forward step: ``to_cute_tensor`` of
-fa4-compile-strides, called for every tensor argument of every FA4 call.  For
-real tensors the replacement adds one ``hasattr`` check before the original.
-Everything else the fixes replace runs at start-up only (KV-cache specs, the
-reshape, kernel block sizes, the page self-check, warm-up).
+``to_cute_tensor`` of fa4-compile-strides runs on every forward step, for
+every tensor argument of every FA4 call.  For real tensors the replacement
+adds one ``hasattr`` check before the original.  (The other per-step
+replacement, DeepSeek-V4.1's kernel-block slots on SM12x, has its own script:
+``dsv41_per_step.py``.)
 
     CUDA_VISIBLE_DEVICES= python benchmarks/per_step_overhead.py   # vLLM 0.25.x
 """
