@@ -215,9 +215,9 @@ def diagnose(serve_args: list[str], load_plugins: bool = True) -> tuple[Environm
     env = read_environment(load_plugins)
     findings = environment_findings(env)
     vllm_version = env.packages.get("vllm")
+    if vllm_version is None:  # the environment findings say so; no fix can be judged
+        return env, serve, findings
     for fix in ALL_FIXES:
-        if vllm_version is None:
-            continue  # the environment finding above says so
         decided = release_decision(fix.INFO, vllm_version)  # the plugin's own rule
         if decided is None:
             findings += fix.diagnose(env, serve)
