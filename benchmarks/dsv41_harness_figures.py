@@ -1,13 +1,13 @@
 """DeepSeek-V4.1 SM120 page geometry: the CPU correctness harness's figures.
 
-For each geometry, the harness (``tests/dsv41_harness``) allocates the tiny
+For each geometry, the harness (``vllm_mla_fixes/selftest``) allocates the tiny
 model's caches with vLLM's own code, writes random latents through vLLM's
 Triton writers and slot mappings (``TRITON_INTERPRET=1``), decodes by reading
 the pages as FlashInfer's SM120 kernel does, and compares with a dense
 computation on the un-paged latents; a sentinel fill counts the bytes each
 write changed outside its cache's own pages.
 
-Geometries (see ``tests/dsv41_harness/geometry.py``):
+Geometries (see ``vllm_mla_fixes/selftest/layout.py``):
 
 * ``plugin``              the fix's default geometry, the interleaved split
                           (128-token blocks; the ratio-1 compressed/indexer
@@ -29,7 +29,6 @@ Needs a vLLM 0.32.0 or 0.33.0 environment; about a minute per geometry on two co
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -45,21 +44,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print each geometry's cache layout")
     args = parser.parse_args(argv)
 
-    for name, value in (("TRITON_INTERPRET", "1"), ("CUDA_VISIBLE_DEVICES", "")):
-        os.environ.setdefault(name, value)
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
-    import dsv41_harness  # noqa: F401
-    from dsv41_harness.geometry import fix_module
-    from dsv41_harness.run import figures_table, run_harness
+    sys.path.insert(0, str(ROOT))
+    from vllm_mla_fixes.selftest.env import prepare_process_env
+
+    prepare_process_env()
+    from vllm_mla_fixes.selftest.harness import figures_table, run_harness
 
     import vllm
 
     print(f"vLLM {vllm.__version__}")
     results = []
     for geometry in args.geometry or DEFAULT:
-        if geometry.startswith("plugin") and fix_module() is None:
-            print(f"{geometry}: skipped (vllm_mla_fixes.fixes.dsv41_sm120_geometry is missing)")
-            continue
         result = run_harness(geometry)
         print(result.summary(), flush=True)
         if result.status:

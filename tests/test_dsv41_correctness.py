@@ -5,7 +5,7 @@ mappings and indices and writes random latents (Triton kernels under
 ``TRITON_INTERPRET=1``); this project's PyTorch reference reads the pages the
 way FlashInfer's SM120 sparse-MLA kernel addresses them and compares with a
 dense computation on the un-paged latents, while a sentinel fill accounts for
-every byte written (see ``tests/dsv41_harness``).
+every byte written (see ``vllm_mla_fixes/selftest``).
 
 * The fix's default geometry, the interleaved split (128-token blocks, the
   ratio-1 compressed/indexer pair split into interleaved 64-state kernel
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-import dsv41_harness  # noqa: F401  (sets TRITON_INTERPRET / CUDA_VISIBLE_DEVICES first)
-from dsv41_harness.env import interpreter_problem
-from dsv41_harness.geometry import fix_module
-from dsv41_harness.run import figures_table, run_harness
+from vllm_mla_fixes.selftest.env import interpreter_problem, prepare_process_env
+
+prepare_process_env()  # TRITON_INTERPRET / CUDA_VISIBLE_DEVICES before vLLM is imported
+from vllm_mla_fixes.selftest.harness import figures_table, run_harness  # noqa: E402
 
 pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 
@@ -74,8 +74,6 @@ def fixed():
 
 @pytest.fixture(scope="module")
 def split():
-    if fix_module() is None:
-        pytest.fail("vllm_mla_fixes.fixes.dsv41_sm120_geometry is missing")
     return _run("plugin")
 
 

@@ -156,8 +156,11 @@ def harness_reads():
     start zeroed, as vLLM allocates them, except in the "stale" run: filled
     with the harness's 0xA5 sentinel, as pages a wrong index reaches hold
     another token's or layer's data once blocks are reused."""
-    import dsv41_harness  # noqa: F401  (TRITON_INTERPRET before vLLM)
-    from dsv41_harness import reference, run
+    from vllm_mla_fixes.selftest.env import prepare_process_env
+
+    prepare_process_env()  # TRITON_INTERPRET before vLLM, unless it is already imported
+    from vllm_mla_fixes.selftest import harness as run
+    from vllm_mla_fixes.selftest import reference
     from gpu.inprocess import call_probes
 
     runs = {}

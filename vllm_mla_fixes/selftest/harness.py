@@ -44,7 +44,7 @@ import torch
 
 from . import reference as ref
 from .env import interpreter_problem, simulated_sm120_host
-from .geometry import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, describe
+from .layout import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, describe
 
 SENTINEL = 0xA5
 SCALE = 512**-0.5
@@ -605,9 +605,9 @@ def stray_bytes(layout: Layout, blocks) -> int:
 
 
 def _fix_detail() -> str:
-    from .geometry import fix_module
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 
-    return fix_module().status_detail()
+    return fix.status_detail()
 
 
 def tiling_problems(layout: Layout) -> list[str]:
@@ -653,7 +653,7 @@ def run_harness(geometry: str, model: TinyModel | None = None, seed: int = 0) ->
     with simulated_sm120_host():
         with contextlib.ExitStack() as stack:
             if geo.via_plugin:
-                from .plugin import applied_fix, untranslated_ratio1_slots
+                from .applied import applied_fix, untranslated_ratio1_slots
 
                 result_of_fix = stack.enter_context(applied_fix())
                 if geo.untranslated:

@@ -51,7 +51,6 @@ kernel views and the slots the ratio-1 writers get):
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -111,17 +110,6 @@ GEOMETRIES: dict[str, Geometry] = {
     )
 }
 
-FIX_MODULE = "vllm_mla_fixes.fixes.dsv41_sm120_geometry"
-
-
-def fix_module():
-    """The project's fix module, or None while it does not exist."""
-    try:
-        return importlib.import_module(FIX_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name in (FIX_MODULE, FIX_MODULE.rsplit(".", 1)[0]):
-            return None
-        raise
 
 
 # --------------------------------------------------------------------------
@@ -520,5 +508,4 @@ __all__ = [
     "TinyModel",
     "build_layout",
     "describe",
-    "fix_module",
 ]

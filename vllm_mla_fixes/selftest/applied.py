@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .geometry import fix_module
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 
 
 class FixUnavailable(RuntimeError):
@@ -15,9 +15,6 @@ class FixUnavailable(RuntimeError):
 def applied_fix(capability: tuple[int, int] = (12, 0)):
     """The fix applied to the installed vLLM as on an SM12x device, through
     the same ``run_fix`` the plugin's ``register()`` uses; reverted on exit."""
-    fix = fix_module()
-    if fix is None:
-        raise FixUnavailable("vllm_mla_fixes.fixes.dsv41_sm120_geometry does not exist yet")
     import vllm
 
     from vllm_mla_fixes.patching import State, run_fix
