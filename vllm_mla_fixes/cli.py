@@ -1,4 +1,4 @@
-"""``vllm-mla-fixes status | verify | doctor | build-wheel | review``."""
+"""``vllm-mla-fixes status | verify | doctor | selftest | build-wheel | review``."""
 from __future__ import annotations
 
 import argparse
@@ -88,6 +88,36 @@ def cmd_doctor(args) -> int:
     return doctor.report(env, serve, findings, as_json=args.json)
 
 
+def cmd_selftest(args) -> int:
+    from vllm_mla_fixes.selftest.report import EXIT_CANNOT_RUN
+
+    try:
+        import torch
+    except ModuleNotFoundError:
+        print("selftest: cannot run: PyTorch is not installed in this environment "
+              f"({sys.executable}); run it where vLLM is installed", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    if not torch.cuda.is_available():
+        # vLLM's Triton kernels then run in Triton's interpreter: set before vLLM is imported.
+        from vllm_mla_fixes.selftest.env import prepare_process_env
+
+        prepare_process_env()
+    if vllm_mla_fixes.installed_vllm_version() is None:
+        print("selftest: cannot run: vLLM is not installed in this environment "
+              f"({sys.executable})", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    from vllm_mla_fixes.selftest import run_selftest
+
+    with logs_to_stderr():
+        report = run_selftest(tuple(args.geometry or ()) or None, jobs=args.jobs,
+                              timing=not args.no_timing)
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2))
+    else:
+        print(report.text())
+    return report.exit_status
+
+
 def cmd_build_wheel(args) -> int:
     from vllm_mla_fixes import wheel
 
@@ -113,6 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true")
     doctor.add_argument("serve_args", nargs=argparse.REMAINDER)
     doctor.set_defaults(func=cmd_doctor)
+    selftest = sub.add_parser(
+        "selftest", help="DeepSeek-V4.1 on SM12x: run the writers and readers vLLM uses on this "
+        "device over the fixed KV layout, against a dense reference; exit 1 on a mismatch, "
+        "2 when it cannot run")
+    selftest.add_argument("--json", action="store_true", help="print only the JSON report")
+    selftest.add_argument("--geometry", action="append",
+                          choices=("split", "fallback", "upstream", "control"),
+                          help="run only this geometry (repeatable; default: all four)")
+    selftest.add_argument("--jobs", type=int, default=None,
+                          help="geometries run in parallel processes (CPU only; default: cores)")
+    selftest.add_argument("--no-timing", action="store_true",
+                          help="skip timing the per-step slot translation")
+    selftest.set_defaults(func=cmd_selftest)
     build = sub.add_parser("build-wheel", help="write a vLLM wheel that carries these fixes")
     source = build.add_mutually_exclusive_group(required=True)
     source.add_argument("--vllm-wheel", metavar="PATH", help="an upstream vLLM wheel file")

@@ -1,11 +1,107 @@
-"""DeepSeek-V4.1 KV page geometry self-test (``vllm-mla-fixes selftest``).
+"""``vllm-mla-fixes selftest``: the DeepSeek-V4.1 KV page geometry, proven on this machine.
 
-Builds a tiny DeepSeek-V4.1 KV layout with the installed vLLM's own planner,
-allocation, binding and metadata builders, writes random latents through the
-writers vLLM uses, reads them back through the readers, and compares every
-read with a dense PyTorch reference while a sentinel fill accounts for every
-byte.  The tests, ``verify`` and ``selftest`` all run this one implementation.
+A tiny DeepSeek-V4.1 KV layout (both compress ratios, sliding window, kv and
+index sources) is planned, allocated, bound and given metadata by the
+installed vLLM's own code, with ``dsv41-sm120-geometry`` applied as the plugin
+applies it on SM12x.  A serving timeline (:mod:`.timeline`: chunked prefill,
+a prefix-cache hit with SWA bounded replay, decoder replay, a CUDA-graph
+padded decode, freed blocks reused after zeroing) writes random latents with
+the writers vLLM uses on this device and reads them back with the readers:
+FlashInfer's SM120 sparse-MLA decode and prefill, DeepGEMM's paged MQA logits
+and the indexer-K gather on an SM12x GPU, PyTorch stand-ins for whatever the
+device lacks (:mod:`.kernels`).  Every read is compared with a dense PyTorch
+reference, and a sentinel fill accounts for every byte (:mod:`.harness`).
 
-Import :mod:`.env` and call :func:`.env.prepare_cpu_process_env` before vLLM
-is imported when running on a machine without a GPU.
+Geometries: the fix's default (interleaved split) and its fallback (per-ratio)
+must pass; the control (the split with untranslated ratio-1 writer slots, the
+bug class of vLLM PR #56509) must be caught in every case; upstream's own
+layout is run where it starts, for information.  Exit status: 0 pass, 1 a
+mismatch or a missed control, 2 cannot run here (the reason is printed).
+
+On a machine without a GPU call :func:`.env.prepare_process_env` before vLLM is
+imported (the CLI does): vLLM's Triton kernels then run in Triton's interpreter.
 """
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import traceback
+
+from .report import Report
+
+DEFAULT_GEOMETRIES = ("split", "fallback", "upstream", "control")
+
+
+def _preflight(device) -> str | None:
+    """Why the self-test cannot run here, or None."""
+    from vllm_mla_fixes import installed_vllm_version
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+    from vllm_mla_fixes.patching import CannotProbe, TargetMismatch, release_decision
+
+    version = installed_vllm_version()
+    if version is None:
+        return "vLLM is not installed in this environment"
+    decided = release_decision(fix.INFO, version)
+    if decided is not None:
+        return f"{fix.INFO.name} is {decided.label()} on vLLM {version}: {decided.reason}"
+    if device.kind == "cpu":
+        from .env import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem is not None:
+            return f"vLLM's Triton kernels cannot run on this CPU: {problem}"
+    try:
+        reason = fix.probe((12, 0))
+    except (CannotProbe, TargetMismatch) as exc:
+        return f"{fix.INFO.name} does not apply to this vLLM build: {exc}"
+    if reason is not None:
+        return f"{fix.INFO.name} finds nothing to fix in this vLLM build: {reason}"
+    return None
+
+
+def _run_one(name: str, device):
+    from .harness import run_geometry
+
+    return run_geometry(name, device)
+
+
+def _init_cpu_worker() -> None:
+    from .env import prepare_process_env
+
+    prepare_process_env()
+
+
+def run_selftest(geometries: tuple[str, ...] | None = None, jobs: int | None = None,
+                 timing: bool = True) -> Report:
+    """Run the self-test on the local device; never raises for what it finds."""
+    geometries = geometries or DEFAULT_GEOMETRIES
+    import vllm
+
+    from .kernels import Kernels, detect_device
+    from .timing import slot_translation_cost
+
+    device = detect_device()
+    kernels = Kernels.for_device(device)
+    report = Report(str(vllm.__version__), device, kernels, [])
+    report.cannot_run = _preflight(device)
+    if report.cannot_run is not None:
+        return report
+    jobs = jobs or (min(len(geometries), os.cpu_count() or 1) if device.kind == "cpu" else 1)
+    if jobs > 1:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
+                                                    initializer=_init_cpu_worker) as pool:
+            report.results = list(pool.map(_run_one, geometries, [device] * len(geometries)))
+    else:
+        from .harness import run_geometry
+
+        report.results = [run_geometry(name, device, kernels) for name in geometries]
+    if timing:
+        try:
+            report.timing = slot_translation_cost(device)
+        except Exception:  # the timing is a figure, not a verdict
+            report.timing = []
+            traceback.print_exc()
+    return report

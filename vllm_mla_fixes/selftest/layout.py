@@ -1,57 +1,38 @@
-"""A tiny DeepSeek-V4.1 KV layout, allocated and bound by vLLM's own code.
+"""A tiny DeepSeek-V4.1 KV layout, planned, allocated and bound by vLLM's own code.
 
-Layers (``TinyModel``): compress ratios ``0, 2, 1``: a sliding-window-only
-layer, then one kv/index source of each ratio (compressed KV cache, indexer K
-cache, and for ratio 2 the compressor's state ring).  Every layer has its own
-sliding-window (SWA) cache.  (Consumer layers, which read a source's caches
-through the same views and block tables, add no cache and are left out to keep
-the interpreter time down.)  The page records are the SM120
-ones: fp8_ds_mla V4 records (584 B, pages aligned to 576 B) and 132-B fp8
-indexer rows.
+Layers (:class:`TinyModel`), compress ratios ``2, 1, 0``: one kv/index source
+of each ratio (compressed KV cache, indexer K cache, and for ratio 2 the
+compressor's state ring), then a sliding-window (SWA) only layer after the last
+source, which makes vLLM's decoder replay run the last source and it on each
+long prefill's last window.  Every layer has its own SWA cache, built with
+bounded replay on (vLLM's default), so a prefix hit replays its last window.
+The page records are the SM120 ones: fp8_ds_mla V4 records (584 B, pages
+aligned to 576 B) and 132-B fp8 indexer rows.
 
-The cache modules and specs are vLLM's (``DeepseekV4SWACache``,
-``DeepseekV4IndexerCache``, ``CompressorStateCache``, and
-``DeepseekV4Attention.get_kv_cache_spec`` called on an instance of the SM120
-attention class, registered in the forward context, whose ``__init__`` (which
-needs a GPU) is replaced by setting the attributes it reads), and so are the grouping
-(``get_kv_cache_groups``), the allocation (``get_kv_cache_config_from_groups``,
-``allocate_kv_cache``), the attention groups' kernel block sizes
-(``prepare_kernel_block_sizes``, ``AttentionGroup.create_metadata_builders``),
-the kernel views (``map_kv_caches_to_kernel_blocks``) and the bound views
-(each module's ``bind_kv_cache``).  Only the first phase of vLLM's
-``init_attn_backend`` (one ``AttentionGroup`` per backend and spec within a
-cache group) is redone here, because it looks the layers up as fully built
-attention modules.
+Everything below the layers is vLLM's: the cache modules and spec producers
+(``DeepseekV4SWACache``, ``DeepseekV4IndexerCache``, ``CompressorStateCache``,
+``DeepseekV4Attention.get_kv_cache_spec`` on an instance of the SM120 attention
+class), ``customize_attention_spec``, the planner (``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups``), ``prepare_kernel_block_sizes``, the
+metadata builders (``AttentionGroup.create_metadata_builders``), the allocation
+(``allocate_kv_cache``), the kernel views (``map_kv_caches_to_kernel_blocks``),
+the bindings (each module's ``bind_kv_cache``) and the new-block zeroer
+(``KVBlockZeroer``).  Only the first phase of vLLM's ``init_attn_backend``
+(one ``AttentionGroup`` per backend and spec within a cache group) is redone
+here, because it looks the layers up as fully built attention modules, whose
+``__init__`` needs a GPU and weights.
 
-Geometries (what differs is only the block sizes handed to the specs, the
-kernel block sizes the backends declare, and -- through the fix module -- the
-kernel views and the slots the ratio-1 writers get):
-
-``per-ratio``
-    The fix's fallback, built directly: SWA 64, ratio-1 caches 64 tokens/block,
-    ratio-2 caches 128 (64 states); backends declare 64 for ratio-1 specs and
-    128 for ratio-2.  Every FlashInfer page holds 64 rows, every indexer page
-    64 states, no block is split.
-``plugin``
-    The project's fix module (``vllm_mla_fixes.fixes.dsv41_sm120_geometry``)
-    applied to the installed vLLM, with ``--block-size 128`` and the stock
-    SWA block size of 32 at the call site: its default geometry, the
-    interleaved split (128-token blocks; the ratio-1 compressed/indexer pair
-    split into 64-state kernel pages interleaved in units of one compressed
-    and one indexer page; ratio-1 writers on kernel-block slots).
-``plugin-fallback``
-    The fix module with a KV connector configured: it must choose the
-    per-ratio geometry by itself.
-``split-untranslated``
-    Control (the bug class of vLLM PR #56509): the fix's interleaved split
-    with the ratio-1 slot translation taken out, so the ratio-1 writers keep
-    their manager-block slots while the readers use the kernel block table.
+Geometries (:data:`GEOMETRIES`) differ only in whether and how the fix is
+applied: its default (the interleaved split), its per-ratio fallback (chosen
+by the fix itself because a KV connector is configured), upstream's own
+layout with the block size upstream starts with on SM12x, and the control
+(the split with the ratio-1 slot translation taken out: the bug class of vLLM
+PR #56509).
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,22 +42,23 @@ SWA_RECORD = 584
 PAGE_ALIGN = 576
 INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
 STATE_DIM = 1024  # compressor ring row: kv state + score state
+STOCK_SWA_BLOCK = 32  # what DeepseekV4Attention.__init__ passes
 
 
 @dataclass(frozen=True)
 class TinyModel:
-    compress_ratios: tuple[int, ...] = (0, 2, 1)
-    kv_sources: tuple[int, ...] = (1, 2)
+    compress_ratios: tuple[int, ...] = (2, 1, 0)
+    kv_sources: tuple[int, ...] = (0, 1)
     sliding_window: int = 128
     index_topk: int = 64
     q_heads: int = 8  # smallest head count FlashInfer's SM120 kernels take
-    seq_lens: tuple[int, ...] = (150, 70)
+    index_heads: int = 32  # what DeepGEMM's paged MQA logits kernels take
     block_size: int = 128  # the issue's --block-size
-    # A tight pool (the per-ratio geometry needs 25 blocks besides the null
-    # block), as on a loaded server: blocks are nearly all in use, so a write
-    # that misses its page is likely to hit another cache's page.
-    num_blocks: int = 26
-    max_num_batched_tokens: int = 512
+    # A tight pool, as on a loaded server: a request admitted after another
+    # finished gets that request's freed blocks, stale contents and all, and a
+    # write that misses its page is likely to land in another cache's page.
+    num_blocks: int = 40
+    max_num_batched_tokens: int = 256
     max_num_seqs: int = 4
     max_model_len: int = 1024
     rms_norm_eps: float = 1e-6
@@ -86,30 +68,33 @@ class TinyModel:
             return None
         return max(s for s in self.kv_sources if s <= layer)
 
+    @property
+    def cut(self) -> int:
+        """The last kv source: decoder replay runs the layers from here on."""
+        return max(self.kv_sources)
+
 
 @dataclass(frozen=True)
 class Geometry:
     name: str
-    swa_block: int
-    block_for_ratio: dict[int, int] = field(hash=False)
-    kernel_for_ratio: dict[int, int] = field(hash=False)
-    via_plugin: bool = False
-    kv_connector: bool = False  # configure a KV connector (the fix must fall back)
+    title: str
+    role: str  # "fix" (must pass), "control" (must be caught), "upstream" (informative)
+    via_plugin: bool = True
+    kv_connector: bool = False  # configure a KV connector: the fix must fall back
     untranslated: bool = False  # take the fix's ratio-1 slot translation out
 
 
 GEOMETRIES: dict[str, Geometry] = {
     g.name: g
     for g in (
-        Geometry("per-ratio", 64, {1: 64, 2: 128}, {1: 64, 2: 128}),
-        Geometry("plugin", 32, {1: 128, 2: 128}, {}, via_plugin=True),
-        Geometry("plugin-fallback", 32, {1: 128, 2: 128}, {}, via_plugin=True,
+        Geometry("split", "fix, default: interleaved split", "fix"),
+        Geometry("fallback", "fix, fallback: per-ratio (chosen: KV connector configured)", "fix",
                  kv_connector=True),
-        Geometry("split-untranslated", 32, {1: 128, 2: 128}, {}, via_plugin=True,
+        Geometry("upstream", "upstream, no fix", "upstream", via_plugin=False),
+        Geometry("control", "control: split, ratio-1 writers untranslated (#56509)", "control",
                  untranslated=True),
     )
 }
-
 
 
 # --------------------------------------------------------------------------
@@ -118,7 +103,9 @@ GEOMETRIES: dict[str, Geometry] = {
 # --------------------------------------------------------------------------
 
 
-def make_config(model: TinyModel, kv_connector: bool = False) -> SimpleNamespace:
+def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -> SimpleNamespace:
+    """The configuration a ``vllm serve --block-size block_size`` of the tiny
+    model has; the pool holds as many tokens at any block size."""
     from vllm.config import (
         AttentionConfig,
         CacheConfig,
@@ -131,9 +118,10 @@ def make_config(model: TinyModel, kv_connector: bool = False) -> SimpleNamespace
 
     # fp8_ds_mla is what --kv-cache-dtype fp8 resolves to for this backend
     # (_resolve_dsv4_kv_cache_dtype writes it back onto the cache config).
-    cache = CacheConfig(block_size=model.block_size, cache_dtype="fp8_ds_mla")
+    cache = CacheConfig(block_size=block_size, cache_dtype="fp8_ds_mla")
     cache.kv_cache_layout = "BLHNC"  # the indexer admits only BLHNC / BLNHC
-    cache.num_gpu_blocks_override = model.num_blocks
+    cache.num_gpu_blocks_override = model.num_blocks * model.block_size // block_size
+    cache.enable_prefix_caching = True
     hf = DeepseekV41Config(
         text_config=dict(
             num_hidden_layers=len(model.compress_ratios),
@@ -142,6 +130,7 @@ def make_config(model: TinyModel, kv_connector: bool = False) -> SimpleNamespace
             index_source_layer_ids=list(model.kv_sources),
             sliding_window=model.sliding_window,
             index_topk=model.index_topk,
+            index_n_heads=model.index_heads,
             head_dim=512,
             qk_rope_head_dim=64,
             index_head_dim=128,
@@ -177,26 +166,16 @@ def make_config(model: TinyModel, kv_connector: bool = False) -> SimpleNamespace
     )
 
 
-def _config_with_block_size(cfg: SimpleNamespace, block_size: int) -> SimpleNamespace:
-    out = copy.copy(cfg)
-    out.cache_config = copy.copy(cfg.cache_config)
-    out.cache_config.block_size = block_size
-    return out
-
-
-def _declaring(backend: type, sizes: dict[int, int]) -> type:
-    """``backend`` declaring ``sizes[tokens_per_state]`` as its kernel block."""
-
-    def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        if kv_cache_spec is None:
-            return [max(sizes.values())]
-        return [sizes[int(kv_cache_spec.tokens_per_state)]]
-
-    return type(
-        f"{backend.__name__}Per{'_'.join(f'{k}x{v}' for k, v in sorted(sizes.items()))}",
-        (backend,),
-        {"get_supported_kernel_block_sizes": staticmethod(get_supported_kernel_block_sizes)},
+def upstream_block_size() -> int:
+    """The ``--block-size`` upstream starts with on SM12x: the kernel block its
+    FlashInfer backend declares there (128 up to 0.33.0, 64 from 0.34.0, where
+    128 fails at start-up)."""
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferMLASparseBackend as backend,
     )
+
+    sizes = [int(s) for s in backend.get_supported_kernel_block_sizes() if isinstance(s, int)]
+    return min(sizes) if sizes else 128
 
 
 # --------------------------------------------------------------------------
@@ -212,7 +191,7 @@ class CacheLayer:
     kind: str  # "swa" | "compressed" | "indexer" | "ring"
     layer: int
     ratio: int
-    module: Any  # the vLLM module (or stand-in self) whose bind_kv_cache binds it
+    module: Any  # the vLLM module (or attention stand-in self) whose bind_kv_cache binds it
     backend: type
     spec: Any = None  # the layer's spec as grouped (per layer, not per group)
     group_id: int = -1
@@ -226,12 +205,16 @@ class Layout:
     geometry: Geometry
     model: TinyModel
     config: SimpleNamespace
+    device: torch.device
+    block_size: int  # the --block-size the specs were given
     caches: dict[str, CacheLayer]
+    readers: dict[int, Any]  # layer -> SM120 attention object whose methods read its caches
     kv_cache_config: Any
     attn_groups: list[list[Any]]
     kernel_block_sizes: list[int]
-    guard_error: str | None  # vLLM's refusal to map the split, if any
+    guard_error: str | None  # vLLM's refusal to map a split, if any
     storage: torch.Tensor  # the whole KV allocation, flat uint8
+    zeroer: Any = None  # vLLM's KVBlockZeroer over the bound views
 
     def group_block_size(self, gid: int) -> int:
         return self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
@@ -242,34 +225,68 @@ class Layout:
     def find(self, kind: str, layer: int) -> CacheLayer:
         return next(c for c in self.caches.values() if c.kind == kind and c.layer == layer)
 
-    def own_bytes(self, cache: CacheLayer, block_ids) -> list[tuple[int, int]]:
+    def own_bytes(self, cache: CacheLayer, block_ids, padded: bool = True) -> list[tuple[int, int]]:
         """Byte ranges [start, end) of ``cache``'s pages in the given manager
         blocks: its kernel pages where its blocks are split into kernel
         blocks (kernel block j of block b is ``b * kernel_block_stride + j``),
-        else its manager pages."""
+        else its manager pages.  ``padded``: with the alignment padding that
+        ends a page, else only the bytes of its rows (what a kernel reads and
+        vLLM's zeroer clears).  Block 0, vLLM's null block, owns nothing."""
+        ids = [b for b in block_ids if b > 0]
         group = cache.attn_group
         kernel = getattr(group, "kernel_block_size", None)
-        if kernel is None:
-            view = cache.manager_view
-            page = cache.spec.page_size_bytes
-            return [
-                (view.storage_offset() + b * view.stride(0),
-                 view.storage_offset() + b * view.stride(0) + page)
-                for b in block_ids
-            ]
-        view = cache.bound
-        page = cache.spec.copy_with_new_block_size(kernel).page_size_bytes
-        per_block = cache.spec.block_size // kernel
-        stride = group.kernel_block_stride or per_block
-        return [
-            (view.storage_offset() + (b * stride + j) * view.stride(0),
-             view.storage_offset() + (b * stride + j) * view.stride(0) + page)
-            for b in block_ids
-            for j in range(per_block)
-        ]
+        split = kernel is not None
+        view = cache.bound if split else cache.manager_view
+        size = view.element_size()
+        if padded:
+            spec = cache.spec.copy_with_new_block_size(kernel) if split else cache.spec
+            page = spec.page_size_bytes
+        else:
+            page = size * int(torch.tensor(view.shape[1:]).prod())
+        per_block = cache.spec.block_size // kernel if split else 1
+        stride = (group.kernel_block_stride or per_block) if split else 1
+        return [(size * (view.storage_offset() + (b * stride + j) * view.stride(0)),
+                 size * (view.storage_offset() + (b * stride + j) * view.stride(0)) + page)
+                for b in ids for j in range(per_block)]
+
+    def mask_of(self, cache_blocks: dict[str, list[int]], padded: bool = True) -> torch.Tensor:
+        """Bytes of the allocation that are the given caches' own pages in the
+        given blocks."""
+        mask = torch.zeros(self.storage.numel(), dtype=torch.bool, device=self.storage.device)
+        for name, ids in cache_blocks.items():
+            for start, end in self.own_bytes(self.caches[name], ids, padded):
+                mask[start:end] = True
+        return mask
 
 
-def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
+def _new_sm120_attention(prefix: str, layer: int, ratio: int, model: TinyModel, device):
+    """The SM120 FlashInfer attention class, without its ``__init__`` (which
+    needs a GPU, tensor-parallel groups and weights): the attributes its spec
+    producer and its ``_forward_decode`` / ``_forward_prefill`` read."""
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferSM120Attention as SM120Attention,
+    )
+
+    attn = SM120Attention.__new__(SM120Attention)
+    torch.nn.Module.__init__(attn)
+    attn.prefix = prefix
+    attn.layer_index = layer
+    attn.is_kv_source = layer in model.kv_sources
+    attn.kv_cache_dtype = "fp8_ds_mla"
+    attn.kv_cache_torch_dtype = torch.uint8
+    attn.head_dim = 512
+    attn.compress_ratio = ratio
+    attn.kv_page_alignment = PAGE_ALIGN
+    attn.compressed_bytes_per_token = SWA_RECORD
+    attn.kv_cache = torch.tensor([])
+    attn.scale = attn.head_dim ** -0.5
+    attn.topk_indices_buffer = torch.full(
+        (model.max_num_batched_tokens, model.index_topk), -1, dtype=torch.int32, device=device)
+    attn.attn_sink = torch.zeros(model.q_heads, dtype=torch.float32, device=device)
+    return attn
+
+
+def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -277,17 +294,16 @@ def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
         DeepseekSparseSWAFlashInferBackend,
         DeepseekV4FlashInferMLASparseBackend,
     )
-    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
-        DeepseekV4FlashInferSM120Attention as SM120Attention,
-    )
 
     caches: dict[str, CacheLayer] = {}
-    fi_backend = DeepseekV4FlashInferMLASparseBackend
+    readers: dict[int, Any] = {}
     with set_current_vllm_config(cfg):
         for layer, ratio in enumerate(model.compress_ratios):
             prefix = f"model.layers.{layer}.self_attn"
-            # Built through the name DeepseekV4Attention.__init__ uses, so a
-            # fix that redirects that call site takes part.
+            reader = _new_sm120_attention(prefix, layer, ratio, model, device)
+            readers[layer] = reader
+            # Built through the name DeepseekV4Attention.__init__ uses, with the
+            # arguments it passes, so a fix that redirects that call takes part.
             swa = attention.DeepseekV4SWACache(
                 head_dim=512,
                 window_size=model.sliding_window,
@@ -295,60 +311,44 @@ def _make_caches(geometry: Geometry, model: TinyModel, cfg: SimpleNamespace):
                 prefix=f"{prefix}.swa_cache",
                 cache_config=cfg.cache_config,
                 backend_cls=DeepseekSparseSWAFlashInferBackend,
-                block_size=geometry.swa_block,
+                block_size=STOCK_SWA_BLOCK,
                 packed_bytes_per_token=SWA_RECORD,
                 packed_page_alignment=PAGE_ALIGN,
+                bounded_replay=True,
             )
-            caches[swa.prefix] = CacheLayer(
-                swa.prefix, "swa", layer, ratio, swa, swa.get_attn_backend()
-            )
+            reader.swa_cache_layer = swa
+            caches[swa.prefix] = CacheLayer(swa.prefix, "swa", layer, ratio, swa, swa.get_attn_backend())
             if layer not in model.kv_sources:
                 continue
-            block = geometry.block_for_ratio[ratio]
-            ratio_cfg = cfg if geometry.via_plugin else _config_with_block_size(cfg, block)
-            # The SM120 FlashInfer attention class, registered in the forward
-            # context as its __init__ does (which needs a GPU and is not run),
-            # with what __init__ sets on a kv-source layer for get_kv_cache_spec.
-            attn_self = SM120Attention.__new__(SM120Attention)
-            torch.nn.Module.__init__(attn_self)
-            attn_self.is_kv_source = True
-            attn_self.kv_cache_dtype = "fp8_ds_mla"
-            attn_self.kv_cache_torch_dtype = torch.uint8
-            attn_self.head_dim = 512
-            attn_self.compress_ratio = ratio
-            attn_self.kv_page_alignment = PAGE_ALIGN
-            attn_self.compressed_bytes_per_token = SWA_RECORD
-            attn_self.kv_cache = torch.tensor([])
-            attn_self.prefix = prefix
-            cfg.compilation_config.static_forward_context[prefix] = attn_self
-            attn_self.spec_source = (attention.DeepseekV4Attention, ratio_cfg)
-            caches[prefix] = CacheLayer(prefix, "compressed", layer, ratio, attn_self, fi_backend)
+            # Registered in the forward context as DeepseekV4Attention.__init__ does.
+            cfg.compilation_config.static_forward_context[prefix] = reader
+            caches[prefix] = CacheLayer(prefix, "compressed", layer, ratio, reader,
+                                        DeepseekV4FlashInferMLASparseBackend)
             index = attention.DeepseekV4IndexerCache(
                 head_dim=INDEXER_ROW,
                 dtype=torch.uint8,
                 prefix=f"{prefix}.indexer.k_cache",
-                cache_config=ratio_cfg.cache_config,
+                cache_config=cfg.cache_config,
                 compress_ratio=ratio,
             )
-            caches[index.prefix] = CacheLayer(
-                index.prefix, "indexer", layer, ratio, index, index.get_attn_backend()
-            )
+            caches[index.prefix] = CacheLayer(index.prefix, "indexer", layer, ratio, index,
+                                              index.get_attn_backend())
             if ratio > 1:
                 ring = CompressorStateCache(
                     state_dim=STATE_DIM,
                     dtype=torch.float32,
                     prefix=f"{prefix}.compressor.state_cache",
                 )
-                caches[ring.prefix] = CacheLayer(
-                    ring.prefix, "ring", layer, ratio, ring, ring.get_attn_backend()
-                )
-    return caches
+                caches[ring.prefix] = CacheLayer(ring.prefix, "ring", layer, ratio, ring,
+                                                 ring.get_attn_backend())
+    return caches, readers
 
 
 def _spec_of(cache: CacheLayer, cfg: SimpleNamespace):
     if cache.kind == "compressed":
-        attn_cls, ratio_cfg = cache.module.spec_source
-        return attn_cls.get_kv_cache_spec(cache.module, ratio_cfg)
+        from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+
+        return DeepseekV4Attention.get_kv_cache_spec(cache.module, cfg)
     return cache.module.get_kv_cache_spec(cfg)
 
 
@@ -393,12 +393,14 @@ def _upstream_refusal(kv_caches, groups) -> str | None:
     return None
 
 
-def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
-    """Specs, groups, allocation, attention groups, kernel views, bindings."""
-    from vllm.models.deepseek_v41.compressor import CompressorBackend
+def build_layout(geometry: Geometry, model: TinyModel, sentinel: int,
+                 device: torch.device | str = "cpu") -> Layout:
+    """Specs, groups, allocation, attention groups and builders, kernel views,
+    bindings and the zeroer, on ``device``; the allocation filled with ``sentinel``."""
     from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import (
         AttentionGroup,
+        KVBlockZeroer,
         allocate_kv_cache,
         customize_attention_spec,
         map_kv_caches_to_kernel_blocks,
@@ -407,12 +409,10 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
 
     from .reference import storage_bytes
 
-    cfg = make_config(model, kv_connector=geometry.kv_connector)
-    caches = _make_caches(geometry, model, cfg)
-    if not geometry.via_plugin:
-        for cache in caches.values():
-            if cache.kind in ("compressed", "indexer"):
-                cache.backend = _declaring(cache.backend, geometry.kernel_for_ratio)
+    device = torch.device(device)
+    block_size = model.block_size if geometry.via_plugin else upstream_block_size()
+    cfg = make_config(model, block_size, kv_connector=geometry.kv_connector)
+    caches, readers = _make_caches(model, cfg, device)
 
     # Specs as attn_utils.get_kv_cache_spec builds them.
     specs = {}
@@ -446,14 +446,9 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
         attn_groups.append(list(keyed.values()))
 
     kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
-    device = torch.device("cpu")
     for gid, groups_of_gid in enumerate(attn_groups):
         for group in groups_of_gid:
-            if group.backend is CompressorBackend:
-                continue  # the ring is allocated but neither written nor read here
-            group.create_metadata_builders(
-                cfg, device, kernel_block_size=kernel_block_sizes[gid]
-            )
+            group.create_metadata_builders(cfg, device, kernel_block_size=kernel_block_sizes[gid])
 
     kv_caches = allocate_kv_cache(
         kv_cache_config, device, cfg.cache_config.get_resolved_kv_cache_layout(),
@@ -462,23 +457,29 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int) -> Layout:
     all_groups = [g for gs in attn_groups for g in gs]
     guard_error = _upstream_refusal(kv_caches, all_groups)
     bindable = map_kv_caches_to_kernel_blocks(kv_caches, all_groups)
-
     for name, cache in caches.items():
         cache.manager_view = kv_caches[name]
         cache.bound = _bind(cache, bindable[name])
 
     storage = storage_bytes(next(iter(kv_caches.values())))
     storage.fill_(sentinel)
+    zeroer = KVBlockZeroer(device, iter(all_groups), kernel_block_sizes,
+                           cfg.compilation_config.static_forward_context,
+                           kv_cache_config.num_blocks)
     return Layout(
         geometry=geometry,
         model=model,
         config=cfg,
+        device=device,
+        block_size=block_size,
         caches=caches,
+        readers=readers,
         kv_cache_config=kv_cache_config,
         attn_groups=attn_groups,
         kernel_block_sizes=kernel_block_sizes,
         guard_error=guard_error,
         storage=storage,
+        zeroer=zeroer,
     )
 
 
@@ -499,13 +500,3 @@ def describe(layout: Layout) -> list[str]:
             f" page stride {view.stride(0)}"
         )
     return lines
-
-
-__all__ = [
-    "GEOMETRIES",
-    "Geometry",
-    "Layout",
-    "TinyModel",
-    "build_layout",
-    "describe",
-]

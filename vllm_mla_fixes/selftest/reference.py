@@ -144,10 +144,18 @@ def gptj_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """Rotate interleaved (even, odd) pairs of x [N, 2P] by angle rows [N, P]."""
     even = x[..., 0::2].to(torch.float32)
     odd = x[..., 1::2].to(torch.float32)
-    out = torch.empty(x.shape, dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     out[..., 0::2] = even * cos - odd * sin
     out[..., 1::2] = odd * cos + even * sin
     return out
+
+
+def rope_swa_rows(kv_bf16: torch.Tensor, angles: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """The sliding-window row the fused insert stores before quantising: the
+    layer's kv row [N, 512] with GPT-J RoPE on its last 64 dims at the token's
+    position (``angles``: [N, 64], cos then sin), rounded to bf16."""
+    rot = gptj_rotate(kv_bf16[:, NOPE:].float(), angles[:, :32], angles[:, 32:])
+    return torch.cat([kv_bf16[:, :NOPE], rounding.to_bf16(rot)], dim=1)
 
 
 def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding) -> torch.Tensor:
@@ -203,7 +211,7 @@ class OutOfBounds(RuntimeError):
     pass
 
 
-def _gather(flat: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+def gather_bytes(flat: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
     addr = start[:, None] + torch.arange(width, dtype=torch.int64)[None, :]
     if addr.numel() and (int(addr.min()) < 0 or int(addr.max()) >= flat.numel()):
         raise OutOfBounds(
@@ -234,8 +242,8 @@ def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     idx = idx.to(torch.int64)
     page, row = idx // pbs, idx % pbs
     base = view.storage_offset() + page * page_stride
-    data = _gather(flat, base + row * DATA_BYTES, DATA_BYTES)
-    footer = _gather(flat, base + pbs * DATA_BYTES + row * FOOTER_BYTES, FOOTER_BYTES)
+    data = gather_bytes(flat, base + row * DATA_BYTES, DATA_BYTES)
+    footer = gather_bytes(flat, base + pbs * DATA_BYTES + row * FOOTER_BYTES, FOOTER_BYTES)
     nope = data[:, :NOPE].contiguous().view(torch.float8_e4m3fn).float()
     scales = torch.exp2(footer[:, :NUM_SCALES].float() - 127.0)
     nope = nope * scales.repeat_interleave(TILE, dim=1)
@@ -250,10 +258,18 @@ def read_index_keys(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     idx = idx.to(torch.int64)
     page, row = idx // pbs, idx % pbs
     base = view.storage_offset() + page * page_stride
-    values = _gather(flat, base + row * INDEX_DIM, INDEX_DIM)
-    scale = _gather(flat, base + pbs * INDEX_DIM + row * 4, 4)
+    values = gather_bytes(flat, base + row * INDEX_DIM, INDEX_DIM)
+    scale = gather_bytes(flat, base + pbs * INDEX_DIM + row * 4, 4)
     keys = values.contiguous().view(torch.float8_e4m3fn).float()
     return keys * scale.contiguous().view(torch.float32)
+
+
+def index_logits(q_fp8: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The indexer's score of keys [N, 128] (dequantised) for one query:
+    ``sum_h w[h] * relu(q[h] . k)``, q [H, 128] fp8 with its scale folded into
+    the weights [H] (the fp8 path of ``sparse_attn_indexer``)."""
+    q = q_fp8.float()
+    return (torch.relu(keys.float() @ q.T) * weights.float()[None, :]).sum(dim=1)
 
 
 # --------------------------------------------------------------------------

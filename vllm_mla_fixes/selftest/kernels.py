@@ -1,0 +1,300 @@
+"""The kernels the self-test runs on the pages: real on the device that has them, else stand-ins.
+
+Writers are what vLLM's DeepSeek-V4.1 layers call on SM90 and SM120 alike:
+the sliding-window insert (``torch.ops._C.fused_deepseek_v4_kv_rope_insert``,
+CUDA only: on CPU its Triton twin ``quantize_and_insert_k_cache`` after the
+same RoPE), ``rope_quant_insert`` for the compressed KV cache and
+``indexer_k_norm_rope_store`` for the indexer keys (Triton; interpreted on CPU).
+
+Readers are reached through vLLM's own entry points:
+
+* attention: ``DeepseekV4FlashInferSM120Attention._forward_decode`` and
+  ``_forward_prefill`` (vLLM's index computation and its call of
+  ``flashinfer_trtllm_batch_decode_sparse_mla_dsv4``).  On SM12x that is
+  FlashInfer's SM120 sparse-MLA kernel; elsewhere the module's reference to it
+  is pointed at :func:`sparse_mla_stand_in` for the run: FlashInfer's own
+  page-size envelope, then a PyTorch read of the pages as the kernel addresses
+  them;
+* indexer decode: ``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits`` (DeepGEMM)
+  with the indexer metadata builder's block table, context lengths and
+  schedule, on the view ``sparse_attn_indexer`` passes it; on CPU
+  :func:`paged_mqa_logits_stand_in`, which checks vLLM's statement of the page
+  sizes DeepGEMM takes (``get_paged_mqa_page_sizes``);
+* indexer prefill: ``vllm._custom_ops.cp_gather_indexer_k_quant_cache`` with
+  the builder's prefill chunks; on CPU :func:`gather_indexer_k_stand_in`.
+
+Each kernel reports whether it ran for real or as a stand-in; a stand-in row
+is never reported as a real kernel's pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+
+ATTENTION_DECODE = "attention decode (FlashInfer SM120 sparse MLA)"
+ATTENTION_PREFILL = "attention prefill (FlashInfer SM120 sparse MLA)"
+INDEXER_LOGITS = "indexer decode logits + top-k (DeepGEMM paged MQA)"
+INDEXER_GATHER = "indexer prefill K gather (cp_gather_indexer_k_quant_cache)"
+SWA_WRITER = "SWA writer (fused_deepseek_v4_kv_rope_insert)"
+COMPRESSED_WRITER = "compressed KV writer (rope_quant_insert)"
+INDEXER_WRITER = "indexer K writer (indexer_k_norm_rope_store)"
+ZEROER = "new-block zeroing (KVBlockZeroer)"
+READERS = (ATTENTION_DECODE, ATTENTION_PREFILL, INDEXER_LOGITS, INDEXER_GATHER)
+WRITERS = (SWA_WRITER, COMPRESSED_WRITER, INDEXER_WRITER, ZEROER)
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cpu", "sm12x" or "cuda" (another CUDA GPU)
+    torch_device: torch.device
+    name: str
+    capability: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.capability is None:
+            return self.name
+        return f"{self.name} (SM{self.capability[0]}{self.capability[1]})"
+
+
+def detect_device() -> Device:
+    """The local CUDA GPU, or the CPU when there is none."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        kind = "sm12x" if major == 12 else "cuda"
+        return Device(kind, torch.device("cuda", 0), torch.cuda.get_device_name(0), (major, minor))
+    return Device("cpu", torch.device("cpu"), "CPU")
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel the device should have cannot be called (say why)."""
+
+
+class Kernels:
+    """The writers and readers of one device, each real or stand-in
+    (:attr:`sources` says which, and why a stand-in)."""
+
+    def __init__(self, device: Device, sources: dict[str, str]):
+        self.device = device
+        self.sources = sources
+        self.attention_calls = 0
+
+    @classmethod
+    def for_device(cls, device: Device) -> Kernels:
+        if device.kind == "cpu":
+            interpreted = "real (Triton, interpreted on CPU)"
+            stand_in = "stand-in: PyTorch reader (no GPU)"
+            return cls(device, {
+                COMPRESSED_WRITER: interpreted, INDEXER_WRITER: interpreted, ZEROER: interpreted,
+                SWA_WRITER: "stand-in: its Triton twin quantize_and_insert_k_cache (CUDA-only op)",
+                ATTENTION_DECODE: stand_in, ATTENTION_PREFILL: stand_in,
+                INDEXER_LOGITS: stand_in, INDEXER_GATHER: stand_in})
+        import vllm._custom_ops  # noqa: F401  (loads vLLM's CUDA ops into torch.ops)
+
+        def op(namespace: str, name: str) -> str:
+            found = hasattr(getattr(torch.ops, namespace), name)
+            return "real (vLLM CUDA op)" if found else f"stand-in: torch.ops.{namespace}.{name} missing"
+
+        sources = {COMPRESSED_WRITER: "real (Triton)", INDEXER_WRITER: "real (Triton)",
+                   ZEROER: "real (Triton)",
+                   SWA_WRITER: op("_C", "fused_deepseek_v4_kv_rope_insert"),
+                   INDEXER_GATHER: op("_C_cache_ops", "cp_gather_indexer_k_quant_cache")}
+        if sources[SWA_WRITER].startswith("stand-in"):
+            sources[SWA_WRITER] += "; its Triton twin writes instead"
+        if device.kind == "sm12x":
+            from vllm.utils.flashinfer import has_flashinfer_sparse_mla_sm120
+
+            attention = ("real (FlashInfer)" if has_flashinfer_sparse_mla_sm120() else
+                         "stand-in: PyTorch reader (FlashInfer has no SM120 sparse-MLA API here)")
+        else:
+            attention = "stand-in: PyTorch reader (FlashInfer's SM120 kernel needs SM12x)"
+        sources[ATTENTION_DECODE] = sources[ATTENTION_PREFILL] = attention
+        from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+        sources[INDEXER_LOGITS] = ("real (DeepGEMM)" if is_deep_gemm_supported() else
+                                   "stand-in: PyTorch reader (vLLM finds DeepGEMM unusable here: "
+                                   "is_deep_gemm_supported() is False)")
+        return cls(device, sources)
+
+    def is_real(self, kernel: str) -> bool:
+        return self.sources[kernel].startswith("real")
+
+    # ------------------------------------------------------------ writers
+
+    def write_swa(self, view: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
+        """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied)."""
+        if self.is_real(SWA_WRITER):
+            torch.ops._C.fused_deepseek_v4_kv_rope_insert(
+                kv, view, slots, positions, cos_sin, block_size, None, False)
+            return
+        from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
+
+        rotated = ref.rope_swa_rows(kv, cos_sin[positions.clamp(0, cos_sin.shape[0] - 1)],
+                                    ref.Rounding("round-to-nearest-even"))
+        quantize_and_insert_k_cache(rotated, view.view(view.shape[0], -1), slots,
+                                    block_size=block_size)
+
+    @staticmethod
+    def write_compressed(view, latent, positions, cos_sin, slots, ratio: int) -> None:
+        from vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache import (
+            rope_quant_insert,
+        )
+
+        rope_quant_insert(latent, positions, cos_sin, view, slots, ratio)
+
+    @staticmethod
+    def write_indexer(view, k_pre, positions, cos_sin, weight, eps, slots, ratio: int) -> None:
+        from vllm.models.deepseek_v41.common.ops import indexer_k_norm_rope_store
+
+        indexer_k_norm_rope_store(k_pre, positions, cos_sin, weight, eps, view, slots, ratio, False)
+
+    # ------------------------------------------------------------ attention
+
+    @contextlib.contextmanager
+    def attention_entry(self):
+        """For the run, vLLM's SM120 attention module calls FlashInfer's
+        kernel (SM12x) or the stand-in, counting the calls."""
+        from vllm.models.deepseek_v41.nvidia import flashinfer_sparse as module
+
+        name = "flashinfer_trtllm_batch_decode_sparse_mla_dsv4"
+        upstream = getattr(module, name)
+        target = upstream if self.is_real(ATTENTION_DECODE) else sparse_mla_stand_in
+
+        def counted(**kwargs):
+            self.attention_calls += 1
+            return target(**kwargs)
+
+        setattr(module, name, counted)
+        try:
+            yield
+        finally:
+            setattr(module, name, upstream)
+
+    # ------------------------------------------------------------ indexer
+
+    def paged_logits(self, q_fp8: torch.Tensor, kv_view: torch.Tensor, weights: torch.Tensor,
+                     context_lens: torch.Tensor, block_table: torch.Tensor,
+                     schedule: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Indexer decode logits [rows, max_len] as ``sparse_attn_indexer``
+        asks DeepGEMM for them (fp8 cache: no q scale tensor)."""
+        if not self.is_real(INDEXER_LOGITS):
+            device = q_fp8.device
+            return paged_mqa_logits_stand_in(q_fp8.cpu(), kv_view.cpu(), weights.cpu(),
+                                             context_lens.cpu(), block_table.cpu(),
+                                             max_len).to(device)
+        from vllm.utils import deep_gemm
+
+        func = deep_gemm.fp8_fp4_paged_mqa_logits
+        extra = {}
+        params = inspect.signature(func).parameters
+        if "clean_logits" in params:  # 0.32.0
+            extra["clean_logits"] = False
+        if "logits_dtype" in params:
+            extra["logits_dtype"] = torch.float32
+        return func((q_fp8, None), kv_view, weights, context_lens, block_table, schedule,
+                    max_len, **extra)
+
+    def gather_k(self, kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+        if not self.is_real(INDEXER_GATHER):
+            k, scale = dst_k.cpu(), dst_scale.cpu()
+            gather_indexer_k_stand_in(kv_cache.cpu(), k, scale, block_table.cpu(),
+                                      cu_seq_lens.cpu())
+            dst_k.copy_(k)
+            dst_scale.copy_(scale)
+            return
+        from vllm import _custom_ops as ops
+
+        ops.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+
+
+# --------------------------------------------------------------- stand-ins
+
+def flashinfer_page_problem(page_rows: int, extra_rows: int | None, num_heads: int,
+                            topk: int) -> str | None:
+    """Why FlashInfer's SM120 sparse-MLA kernels have no kernel for these page
+    sizes, from the installed FlashInfer's own planner or static envelope."""
+    from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import sm120_decode_verdict
+
+    problem = sm120_decode_verdict(page_rows, extra_rows is not None, num_tokens=1,
+                                   num_heads=num_heads, topk=topk)
+    if problem is None and extra_rows is not None:
+        problem = sm120_decode_verdict(extra_rows, True, num_tokens=1, num_heads=num_heads,
+                                       topk=topk)
+        if problem is not None:
+            problem = f"extra (compressed) page of {extra_rows} rows: {problem}"
+    return problem
+
+
+def sparse_mla_stand_in(*, query, swa_kv_cache, workspace_buffer, sparse_indices,
+                        compressed_kv_cache, out, bmm1_scale, sinks, kv_layout,
+                        swa_topk_lens, extra_sparse_indices=None, extra_sparse_topk_lens=None,
+                        **_ignored) -> None:
+    """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` as vLLM calls it on
+    SM120, in PyTorch: refuse page sizes FlashInfer has no kernel for, then read
+    the pages exactly where the kernel reads them."""
+    if kv_layout != "NHD":
+        raise ValueError(f"stand-in reads NHD caches, got {kv_layout}")
+    problem = flashinfer_page_problem(
+        int(swa_kv_cache.shape[1]),
+        int(compressed_kv_cache.shape[1]) if compressed_kv_cache is not None else None,
+        int(query.shape[1]), int(sparse_indices.shape[-1]))
+    if problem is not None:
+        raise ValueError(f"SM120 sparse-MLA has no kernel for this page geometry: {problem}")
+    decoded = ref.sm120_sparse_decode(
+        query.float().cpu(), swa_kv_cache.cpu(), sparse_indices.cpu(), swa_topk_lens.cpu(),
+        None if compressed_kv_cache is None else compressed_kv_cache.cpu(),
+        None if extra_sparse_indices is None else extra_sparse_indices.cpu(),
+        None if extra_sparse_topk_lens is None else extra_sparse_topk_lens.cpu(),
+        sinks.float().cpu()[: query.shape[1]], float(bmm1_scale))
+    out.copy_(decoded.to(out.dtype))
+
+
+def paged_mqa_logits_stand_in(q_fp8, kv_view, weights, context_lens, block_table,
+                              max_len: int) -> torch.Tensor:
+    """DeepGEMM's paged MQA logits in PyTorch: ``logits[t, s] = k_scale[s] *
+    sum_h w[t, h] * relu(q[t, h] . k[s])`` for request-local compressed
+    position ``s`` read through the block table, -inf past the context."""
+    from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
+
+    rows = int(kv_view.shape[1])
+    if rows not in get_paged_mqa_page_sizes():
+        raise ValueError(f"DeepGEMM's paged MQA logits take pages of {get_paged_mqa_page_sizes()} "
+                         f"states on this device, the indexer cache has {rows}")
+    batch, next_n = q_fp8.shape[:2]
+    out = torch.full((batch * next_n, max_len), float("-inf"))
+    cache = kv_view[:, :, 0] if kv_view.dim() == 4 else kv_view
+    for b in range(batch):
+        for n in range(next_n):
+            length = int(context_lens[b, n])
+            if length <= 0:
+                continue
+            s = torch.arange(length)
+            flat = block_table[b, s // rows].to(torch.int64) * rows + s % rows
+            keys = ref.read_index_keys(cache, flat)
+            out[b * next_n + n, :length] = ref.index_logits(q_fp8[b, n], weights[b * next_n + n],
+                                                            keys)
+    return out
+
+
+def gather_indexer_k_stand_in(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+    """``cp_gather_indexer_k_quant_cache``: request b's compressed states in
+    rows ``cu[b]..cu[b+1]`` of ``dst_k`` (fp8 values) and ``dst_scale`` (fp32
+    scale bytes), read through its block table."""
+    rows = int(kv_cache.shape[1])
+    cu = cu_seq_lens.tolist()
+    flat = ref.storage_bytes(kv_cache)
+    for b in range(len(cu) - 1):
+        s = torch.arange(cu[b + 1] - cu[b])
+        page = block_table[b, s // rows].to(torch.int64)
+        base = kv_cache.storage_offset() + page * kv_cache.stride(0)
+        values = ref.gather_bytes(flat, base + (s % rows) * ref.INDEX_DIM, ref.INDEX_DIM)
+        scales = ref.gather_bytes(flat, base + rows * ref.INDEX_DIM + (s % rows) * 4, 4)
+        dst_k[cu[b]: cu[b + 1]].view(torch.uint8).copy_(values)
+        dst_scale[cu[b]: cu[b + 1]].copy_(scales)
