@@ -12,6 +12,22 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 
+def _no_gpu() -> bool:
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return True
+    return not torch.cuda.is_available()
+
+
+if _no_gpu():
+    # The DeepSeek-V4.1 self-test runs vLLM's Triton kernels on CPU: Triton's
+    # interpreter must be chosen before any test imports vLLM.
+    from vllm_mla_fixes.selftest.env import prepare_process_env
+
+    prepare_process_env()
+
+
 def pytest_addoption(parser):
     parser.addoption("--vllm-release", default=None,
                      help="the vLLM release installed in this environment (checked)")

@@ -11,11 +11,11 @@ against the real releases, so that each GPU test is shown -- by construction
   real probe on a machine where FA4 cannot import -- fails the fixture with
   the child's stderr.
 * DeepSeek-V4.1 (vLLM 0.32.0, 0.33.0, 0.34.0): the GPU test's PyTorch decode reads
-  the CPU harness's pages exactly as the harness's FlashInfer-like reader
-  does; against the dense truth it is far within ``ATTENTION_TOLERANCE`` for
-  the geometry the fix builds, and outside it for the split-untranslated
-  geometry: 35x where the wrong pages are zeroed (and then counted as
-  unwritten reads), 1e13x where they hold other data.
+  the self-test harness's pages exactly as the harness's FlashInfer stand-in
+  does; against the dense truth that reader is far within
+  ``ATTENTION_TOLERANCE`` for the geometry the fix builds, and far outside it
+  for the split with untranslated ratio-1 writer slots, which also reads
+  records nothing wrote.
 * The call probe loads in vLLM's processes through ``sitecustomize`` (FA4's
   interface beside the FA4 fix; the FlashInfer SM120 entry vLLM's DeepSeek-V4.1
   module bound), and its attention check flags a kernel that addresses the
@@ -151,49 +151,34 @@ def test_fa4_call_probe_loads_through_sitecustomize_beside_the_fix(tmp_path):
 
 @pytest.fixture(scope="module")
 def harness_reads():
-    """Per run: for each decoded layer of the CPU harness, the GPU probe's
-    decode of the pages and the harness's paged and dense decodes.  Caches
-    start zeroed, as vLLM allocates them, except in the "stale" run: filled
-    with the harness's 0xA5 sentinel, as pages a wrong index reaches hold
-    another token's or layer's data once blocks are reused."""
-    from vllm_mla_fixes.selftest.env import prepare_process_env
+    """Per geometry, the first two steps of the self-test's serving timeline
+    (``vllm_mla_fixes.selftest``: vLLM's allocation, metadata and writers; caches
+    filled with a sentinel and new blocks zeroed, as vLLM's zeroer does), with
+    the GPU probe reading the pages of every attention call beside the harness's
+    FlashInfer stand-in: the fix's default geometry, and the control (the split
+    with untranslated ratio-1 writer slots)."""
+    import torch
 
-    prepare_process_env()  # TRITON_INTERPRET before vLLM, unless it is already imported
-    from vllm_mla_fixes.selftest import harness as run
-    from vllm_mla_fixes.selftest import reference
     from gpu.inprocess import call_probes
+    from vllm_mla_fixes.selftest import harness
+    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.selftest.timeline import TIMELINE
 
+    device = kn.detect_device()
     runs = {}
-    for name, geometry, fill in (("fixed", "plugin", 0), ("broken", "split-untranslated", 0),
-                                 ("broken-stale", "split-untranslated", run.SENTINEL)):
+    for geometry in ("split", "control"):
         captured = []
-        harness_decode, harness_figures = reference.sm120_sparse_decode, reference.error_figures
 
-        def decode(q, swa_cache, swa_idx, swa_lens, extra_cache, extra_idx, extra_lens, sink, scale):
-            import torch
+        def observe(out, **call):
+            probe = torch.empty(call["query"].shape, dtype=torch.float32)
+            read, unwritten = call_probes.reference_sparse_mla(**call, out=probe)
+            captured.append({"harness": out.float().clone(), "probe": probe, "read": read,
+                             "unwritten": unwritten})
 
-            paged = harness_decode(q, swa_cache, swa_idx, swa_lens, extra_cache, extra_idx,
-                                   extra_lens, sink, scale)
-            probe = torch.empty(q.shape, dtype=torch.float32)
-            read, unwritten = call_probes.reference_sparse_mla(
-                query=q, swa_kv_cache=swa_cache, sparse_indices=swa_idx, swa_topk_lens=swa_lens,
-                out=probe, bmm1_scale=scale, sinks=sink, compressed_kv_cache=extra_cache,
-                extra_sparse_indices=extra_idx, extra_sparse_topk_lens=extra_lens)
-            captured.append({"paged": paged, "probe": probe, "read": read, "unwritten": unwritten})
-            return paged
-
-        def figures(got, want):
-            entry = captured[-1]
-            if "dense" not in entry:  # the first figure of a layer: paged vs dense
-                entry["dense"] = want
-            return harness_figures(got, want)
-
-        saved = run.SENTINEL, reference.sm120_sparse_decode, reference.error_figures
-        run.SENTINEL, reference.sm120_sparse_decode, reference.error_figures = fill, decode, figures
-        try:
-            runs[name] = captured, run.run_harness(geometry)
-        finally:
-            run.SENTINEL, reference.sm120_sparse_decode, reference.error_figures = saved
+        kernels = kn.Kernels.for_device(device)
+        kernels.attention_observer = observe
+        runs[geometry] = captured, harness.run_geometry(geometry, device, kernels,
+                                                        plans=TIMELINE[:2])
     return runs
 
 
@@ -203,29 +188,27 @@ def test_dsv41_probe_reads_pages_as_the_harness_reader(harness_reads):
 
     for geometry, (captured, _) in harness_reads.items():
         assert captured, geometry
-        for layer in captured:
-            assert relative_error(layer["probe"], layer["paged"]) < 1e-5, geometry
+        for call in captured:
+            assert relative_error(call["probe"], call["harness"]) < 1e-5, geometry
 
 
 @pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harness_reads):
     """The GPU comparison's tolerance holds for the fix and is exceeded by orders of
-    magnitude by a wrong page; a broken geometry also reads unwritten records."""
-    from gpu.inprocess.call_probes import relative_error
+    magnitude by a wrong page (the harness reader's error against the dense truth,
+    which the probe reproduces); the broken geometry also reads unwritten records."""
     from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
 
-    errors = {g: max(relative_error(layer["probe"], layer["dense"]) for layer in captured)
-              for g, (captured, _) in harness_reads.items()}
-    unwritten = {g: (sum(layer["unwritten"] for layer in captured),
-                     sum(layer["read"] for layer in captured))
+    attention = ("attention prefill (FlashInfer SM120 sparse MLA)",)
+    errors = {g: max(result.kernels[k].worst for k in attention)
+              for g, (_, result) in harness_reads.items()}
+    unwritten = {g: sum(call["unwritten"] for call in captured)
                  for g, (captured, _) in harness_reads.items()}
     print({g: (f"{errors[g]:.3g}", unwritten[g]) for g in errors})
-    assert errors["fixed"] <= ATTENTION_TOLERANCE / 100, errors
-    assert unwritten["fixed"][0] == 0
-    # a wrong page that nothing wrote reads as zeros; one holding other data as garbage
-    assert errors["broken"] >= 10 * ATTENTION_TOLERANCE, errors
-    assert unwritten["broken"][0] > 0
-    assert errors["broken-stale"] >= 1e3 * ATTENTION_TOLERANCE, errors
+    assert errors["split"] <= ATTENTION_TOLERANCE / 100, errors
+    assert unwritten["split"] == 0
+    assert errors["control"] >= 10 * ATTENTION_TOLERANCE, errors
+    assert unwritten["control"] > 0
 
 
 @pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")

@@ -1,4 +1,4 @@
-"""``vllm-mla-fixes status | verify | doctor | selftest | build-wheel | review``."""
+"""``vllm-mla-fixes status | verify | doctor | selftest | smoke | build-wheel | review``."""
 from __future__ import annotations
 
 import argparse
@@ -72,7 +72,21 @@ def cmd_status(args) -> int:
 def cmd_verify(args) -> int:
     from vllm_mla_fixes import verify
 
+    _cpu_triton_for_selftest()
     return verify.run()
+
+
+def _cpu_triton_for_selftest() -> None:
+    """Without a GPU, the DeepSeek-V4.1 self-test runs vLLM's Triton kernels in
+    Triton's interpreter, which must be chosen before vLLM is imported."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return  # the command itself says what is missing
+    if not torch.cuda.is_available():
+        from vllm_mla_fixes.selftest.env import prepare_process_env
+
+        prepare_process_env()
 
 
 def cmd_doctor(args) -> int:
@@ -89,19 +103,15 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_selftest(args) -> int:
-    from vllm_mla_fixes.selftest.report import EXIT_CANNOT_RUN
+    from vllm_mla_fixes.selftest import EXIT_CANNOT_RUN
 
     try:
-        import torch
+        import torch  # noqa: F401
     except ModuleNotFoundError:
         print("selftest: cannot run: PyTorch is not installed in this environment "
               f"({sys.executable}); run it where vLLM is installed", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    if not torch.cuda.is_available():
-        # vLLM's Triton kernels then run in Triton's interpreter: set before vLLM is imported.
-        from vllm_mla_fixes.selftest.env import prepare_process_env
-
-        prepare_process_env()
+    _cpu_triton_for_selftest()
     if vllm_mla_fixes.installed_vllm_version() is None:
         print("selftest: cannot run: vLLM is not installed in this environment "
               f"({sys.executable})", file=sys.stderr)
@@ -116,6 +126,15 @@ def cmd_selftest(args) -> int:
     else:
         print(report.text())
     return report.exit_status
+
+
+def cmd_smoke(args) -> int:
+    from vllm_mla_fixes import smoke
+
+    result = smoke.run(args.url, model=args.model, max_tokens=args.max_tokens,
+                       api_key=args.api_key, timeout=args.timeout)
+    print(json.dumps(result.as_json(), indent=2) if args.json else result.text())
+    return 0 if result.ok else 1
 
 
 def cmd_build_wheel(args) -> int:
@@ -156,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     selftest.add_argument("--no-timing", action="store_true",
                           help="skip timing the per-step slot translation")
     selftest.set_defaults(func=cmd_selftest)
+    smoke_cmd = sub.add_parser(
+        "smoke", help="check a running server: /health, /v1/models, then chats and completions "
+        "(streamed and not) must be non-empty text without U+FFFD; exit 1 otherwise")
+    smoke_cmd.add_argument("url", help="the server's base URL, e.g. http://localhost:8000")
+    smoke_cmd.add_argument("--model", help="the served model name (default: the first listed)")
+    smoke_cmd.add_argument("--max-tokens", type=int, default=32)
+    smoke_cmd.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                           help="bearer token (default: $VLLM_API_KEY)")
+    smoke_cmd.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    smoke_cmd.add_argument("--json", action="store_true", help="print only the JSON report")
+    smoke_cmd.set_defaults(func=cmd_smoke)
     build = sub.add_parser("build-wheel", help="write a vLLM wheel that carries these fixes")
     source = build.add_mutually_exclusive_group(required=True)
     source.add_argument("--vllm-wheel", metavar="PATH", help="an upstream vLLM wheel file")

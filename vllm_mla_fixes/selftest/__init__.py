@@ -28,10 +28,13 @@ import concurrent.futures
 import multiprocessing
 import os
 import traceback
+from typing import TYPE_CHECKING
 
-from .report import Report
+if TYPE_CHECKING:
+    from .report import Report
 
 DEFAULT_GEOMETRIES = ("split", "fallback", "upstream", "control")
+EXIT_OK, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
 
 
 def _preflight(device) -> str | None:
@@ -45,7 +48,9 @@ def _preflight(device) -> str | None:
         return "vLLM is not installed in this environment"
     decided = release_decision(fix.INFO, version)
     if decided is not None:
-        return f"{fix.INFO.name} is {decided.label()} on vLLM {version}: {decided.reason}"
+        return (f"{fix.INFO.name} is {decided.state.value} on vLLM {version}: {decided.reason}. "
+                f"The self-test proves that fix's geometry, which covers vLLM "
+                f"{', '.join(fix.INFO.affected_releases)}")
     if device.kind == "cpu":
         from .env import interpreter_problem
 
@@ -74,12 +79,13 @@ def _init_cpu_worker() -> None:
 
 
 def run_selftest(geometries: tuple[str, ...] | None = None, jobs: int | None = None,
-                 timing: bool = True) -> Report:
+                 timing: bool = True) -> "Report":
     """Run the self-test on the local device; never raises for what it finds."""
     geometries = geometries or DEFAULT_GEOMETRIES
     import vllm
 
     from .kernels import Kernels, detect_device
+    from .report import Report
     from .timing import slot_translation_cost
 
     device = detect_device()

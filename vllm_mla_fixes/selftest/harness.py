@@ -631,8 +631,10 @@ def _fix_for(geometry, device: kn.Device):
 
 
 def run_geometry(name: str, device: kn.Device, kernels: kn.Kernels | None = None,
-                 model: TinyModel | None = None, seed: int = 0) -> GeometryResult:
-    """Replay the timeline on one geometry; never raises for what it finds."""
+                 model: TinyModel | None = None, seed: int = 0,
+                 plans: tuple[StepPlan, ...] = TIMELINE) -> GeometryResult:
+    """Replay the timeline (or its first ``plans``) on one geometry; never
+    raises for what it finds."""
     geometry = GEOMETRIES[name]
     model = model or TinyModel()
     kernels = kernels or kn.Kernels.for_device(device)
@@ -653,7 +655,7 @@ def run_geometry(name: str, device: kn.Device, kernels: kn.Kernels | None = None
                 result.status = f"{applied.status.reason}; {fix.status_detail()}"
             result.tiling_problems = tiling_problems(layout)
             run = Run(layout, kernels, result, seed)
-            for plan in TIMELINE:
+            for plan in plans:
                 run.step(plan)
             result.stray_bytes = run.stray_bytes()
     except Exception as exc:

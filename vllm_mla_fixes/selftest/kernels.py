@@ -84,6 +84,9 @@ class Kernels:
         self.device = device
         self.sources = sources
         self.attention_calls = 0
+        # Called after each attention call with the call's arguments (the
+        # output filled): lets the GPU tests' probe read the same pages.
+        self.attention_observer = None
 
     @classmethod
     def for_device(cls, device: Device) -> Kernels:
@@ -169,7 +172,10 @@ class Kernels:
 
         def counted(**kwargs):
             self.attention_calls += 1
-            return target(**kwargs)
+            result = target(**kwargs)
+            if self.attention_observer is not None:
+                self.attention_observer(**kwargs)
+            return result
 
         setattr(module, name, counted)
         try:

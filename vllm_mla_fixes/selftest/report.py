@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import EXIT_CANNOT_RUN, EXIT_MISMATCH, EXIT_OK
 from . import kernels as kn
 from .harness import GeometryResult
 from .timeline import CASES
@@ -15,7 +16,6 @@ PASS, FAIL = "pass", "FAIL"
 CAUGHT, MISSED = "caught", "MISSED"
 BUG, NO_BUG = "bug reproduced", "no failure here"
 
-EXIT_OK, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
 
 
 @dataclass

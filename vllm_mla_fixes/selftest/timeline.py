@@ -237,7 +237,9 @@ class Worker:
             sizes.append(spec.block_size)
             enabled.append(first.uses_slot_mapping)
             sharded.append(spec.dcp_sharded)
-            reach.append(first.num_retained_tokens if isinstance(first, SlidingWindowSpec) else 0)
+            # 0.33+: the sliding window's reach, for nulling SWA entries below it
+            reach.append(getattr(first, "num_retained_tokens", 0)
+                         if isinstance(first, SlidingWindowSpec) else 0)
             if first.prefix_cacheable:
                 self.cacheable.append(gid)
             if not first.uses_slot_mapping:

@@ -1,0 +1,73 @@
+"""An OpenAI-compatible HTTP server on loopback, standing in for ``vllm serve``
+(a CPU cannot run vLLM's inference).  It speaks the wire format vLLM's API
+server speaks: JSON replies, and server-sent events ending in ``data: [DONE]``
+for ``"stream": true``.
+
+    python openai_stub.py MODE   # prints the port, then serves until killed
+
+MODE: ``good`` (text replies), ``fffd`` (every token U+FFFD, as a misread KV
+cache decodes), ``empty`` (no text), ``error`` (HTTP 500 on generation),
+``unhealthy`` (/health answers 503).
+"""
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
+MODE = sys.argv[1]
+
+
+def reply(prompt: str) -> str:
+    if MODE == "fffd":
+        return "\ufffd" * 6
+    if MODE == "empty":
+        return ""
+    return "17*19 = 323." if "17" in prompt else "Hello! How can I help?"
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self.send(503 if MODE == "unhealthy" else 200, b"")
+        elif self.path == "/v1/models":
+            self.send(200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode())
+        else:
+            self.send(404, b'{"error": "not found"}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        chat = self.path == "/v1/chat/completions"
+        if self.path not in ("/v1/chat/completions", "/v1/completions"):
+            return self.send(404, b'{"error": "not found"}')
+        if MODE == "error":
+            return self.send(500, b'{"error": {"message": "EngineCore died"}}')
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        text = reply(prompt)
+        if not body.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                      else {"index": 0, "text": text})
+            return self.send(200, json.dumps({"model": MODEL, "choices": [choice]},
+                                             ensure_ascii=False).encode())
+        events = []
+        for piece in [text[i:i + 3] for i in range(0, len(text), 3)] or [""]:
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            events.append(b"data: " + json.dumps({"choices": [choice]}, ensure_ascii=False).encode()
+                          + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        self.send(200, b"".join(events), "text/event-stream")
+
+
+if __name__ == "__main__":
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()

@@ -1,0 +1,268 @@
+"""``vllm-mla-fixes selftest`` on CPU, on the real vLLM 0.32.0, 0.33.0 and 0.34.0 (issue 17).
+
+The command runs as an operator runs it (``vllm-mla-fixes selftest --json`` in
+a subprocess of the release's environment), twice at once:
+
+* as installed: the fix's default geometry (interleaved split) and its
+  fallback (per-ratio) must read back exactly in every serving case, with no
+  byte outside their pages changed; the control (the split with untranslated
+  ratio-1 writer slots, PR #56509's bug class) must fail every case; upstream's
+  own layout, where it starts, reproduces the bug; exit status 0;
+* with the fix regressed to that bug class (a ``sitecustomize`` takes the
+  ratio-1 slot translation out of ``dsv41-sm120-geometry`` before anything
+  runs): the default geometry must fail every case, exit status 1.
+
+On CPU the writers are vLLM's Triton kernels under the interpreter (the SWA
+writer its Triton twin) and the readers PyTorch stand-ins that refuse the page
+sizes the real kernels lack; the JSON says so per row.  Also here: the facts
+the stand-in readers are written from, read off the installed FlashInfer and
+vLLM sources, and exit status 2 on a release the fix does not cover.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mla_fixes.selftest.timeline import CASES
+
+DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+TIMEOUT_S = 1800
+REGRESSED_FIX = """\
+# The fix as a regression would leave it: the ratio-1 writers keep manager-block slots.
+import vllm_mla_fixes.fixes.dsv41_sm120_geometry as fix
+fix._with_kernel_slots = lambda original: original
+"""
+
+
+def _cpu_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES", "VLLM_LOGGING_STREAM", "PYTHONPATH",
+                        "VLLM_MLA_FIXES_DSV41_GEOMETRY")}
+    return {**env, "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+def _selftest(*args: str, **env: str) -> subprocess.Popen:
+    command = Path(sys.executable).with_name("vllm-mla-fixes")  # this environment's console script
+    assert command.exists(), f"{command} is missing: install the package into this environment"
+    return subprocess.Popen([str(command), "selftest", "--json", *args], env=_cpu_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, dict, str]:
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    try:
+        report = json.loads(out)  # the whole of stdout: exactly one document
+    except json.JSONDecodeError:
+        pytest.fail(f"stdout is not one JSON document:\n{out[-3000:]}\nstderr:\n{err[-6000:]}")
+    return proc.returncode, report, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The installed fix and the regressed one, run side by side."""
+    site = tmp_path_factory.mktemp("regressed")
+    (site / "sitecustomize.py").write_text(REGRESSED_FIX)
+    installed = _selftest()
+    regressed = _selftest("--geometry", "split", "--no-timing", "--jobs", "1",
+                          PYTHONPATH=str(site))
+    return _finish(installed), _finish(regressed)
+
+
+@pytest.fixture(scope="module")
+def report(runs):
+    return runs[0][1]
+
+
+def _geometry(report: dict, name: str) -> dict:
+    return next(g for g in report["geometries"] if g["name"] == name)
+
+
+# ------------------------------------------------------------ the verdicts
+
+@pytest.mark.vllm_release(*DSV41)
+def test_selftest_passes_with_the_fix_as_installed(runs):
+    (status, report, err), _ = runs
+    verdicts = {g["name"]: g["verdict"] for g in report["geometries"]}
+    assert (status, report["exit_status"]) == (0, 0), (verdicts, err[-6000:])
+    assert verdicts == {"split": "pass", "fallback": "pass", "upstream": "bug reproduced",
+                        "control": "caught"}
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("geometry", ["split", "fallback"])
+def test_fix_geometries_read_back_exactly_in_every_serving_case(report, geometry):
+    g = _geometry(report, geometry)
+    assert set(g["cases"]) == set(CASES)
+    for name, case in g["cases"].items():
+        assert case["compared"] > 0 and not case["failed"], (name, case)
+        assert case["worst_error"] == 0 and case["foreign_bytes"] == 0, (name, case)
+    for row in g["rows"]:
+        assert row["verdict"] == "pass", row
+    assert (g["stray_bytes"], g["foreign_bytes"], g["tiling_problems"],
+            g["ratio1_slot_mismatches"]) == (0, 0, [], 0)
+    # the serving cases ran: freed blocks came back with stale bytes, which vLLM's zeroer cleared
+    assert g["reused_blocks"] > 0 and g["stale_bytes_zeroed"] > 0
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_control_fails_every_case(report):
+    g = _geometry(report, "control")
+    assert sorted(n for n, c in g["cases"].items() if c["failed"]) == sorted(CASES)
+    caught = {row["kernel"] for row in g["rows"] if row["verdict"] == "caught"}
+    assert {"attention decode (FlashInfer SM120 sparse MLA)",
+            "attention prefill (FlashInfer SM120 sparse MLA)",
+            "indexer decode logits + top-k (DeepGEMM paged MQA)",
+            "indexer prefill K gather (cp_gather_indexer_k_quant_cache)",
+            "compressed KV writer (rope_quant_insert)",
+            "indexer K writer (indexer_k_norm_rope_store)"} <= caught
+    assert g["ratio1_slot_mismatches"] > 0 and g["foreign_bytes"] > 0
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_selftest_exits_1_when_the_fix_keeps_manager_block_slots(runs):
+    _, (status, report, err) = runs
+    g = _geometry(report, "split")
+    assert (status, report["exit_status"], g["verdict"]) == (1, 1, "FAIL"), err[-6000:]
+    assert sorted(n for n, c in g["cases"].items() if c["failed"]) == sorted(CASES)
+    assert g["ratio1_slot_mismatches"] > 0
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_upstream_runs_where_it_starts_and_shows_the_bug(report):
+    """0.32/0.33 start with --block-size 128 (32-row SWA pages, 128-state ratio-1
+    indexer pages), 0.34.0 with 64 (32-state ratio-2 indexer pages): a page that
+    SM120's kernels have no kernel for."""
+    import vllm
+
+    g = _geometry(report, "upstream")
+    assert g["block_size"] == (64 if vllm.__version__ == "0.34.0" else 128)
+    problems = [p for row in g["rows"] for p in row["problems"]]
+    assert any("DeepGEMM's paged MQA logits take pages of (64,) states" in p for p in problems)
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_rows_say_which_kernels_are_stand_ins_on_cpu(report):
+    assert report["device"]["kind"] == "cpu"
+    sources = report["kernels"]
+    for kernel, source in sources.items():
+        if "writer (" in kernel or "zeroing" in kernel:
+            continue
+        assert source.startswith("stand-in"), (kernel, source)
+    assert sources["compressed KV writer (rope_quant_insert)"].startswith("real (Triton")
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_split_layout_interleaves_64_row_ratio1_pages(report):
+    """Ratio-1 caches: 64-row kernel pages 46,080 B apart (a 37,440-B compressed
+    page and an 8,640-B indexer page), 3 per 138,240-B block; every other page
+    keeps 64 rows in its manager page; vLLM's own mapping refuses the split."""
+    g = _geometry(report, "split")
+    for line in g["layout"]:
+        name = line.split(":")[0]
+        assert "rows/page 64 " in line, line
+        if name in ("model.layers.1.self_attn", "model.layers.1.self_attn.indexer.k_cache"):
+            assert "manager block 128, kernel block 64 (stride 3)" in line, line
+            assert line.endswith("page stride 46080"), line
+        else:
+            assert "kernel block" not in line and line.endswith("page stride 138240"), line
+    assert "geometry interleaved-split (default on SM12x" in g["status"]
+    assert "geometry per-ratio (a KV connector is configured" in _geometry(report, "fallback")["status"]
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_selftest_times_the_slot_translation_beside_vllms_mapping(report):
+    timing = {t["tokens"]: t for t in report["slot_translation_us"]}
+    assert set(timing) == {64, 8192}
+    for t in timing.values():
+        assert t["per_step_both_ratio1_groups"] > 0 and t["vllm_map_to_kernel_block_table_one_group"] > 0
+
+
+@pytest.mark.vllm_release("0.26.0")
+def test_selftest_cannot_run_where_the_fix_does_not_apply():
+    status, report, _ = _finish(_selftest())
+    assert (status, report["exit_status"]) == (2, 2)
+    assert "dsv41-sm120-geometry is not-needed on vLLM 0.26.0" in report["cannot_run"]
+
+
+# ------------------------------------------------------------ layout facts
+
+_SM120 = "include/flashinfer/attention/sparse_mla_sm120/"
+
+# Each fact the stand-in attention reader relies on, with where the installed
+# FlashInfer states it: one alternative per source layout (0.7.0.post1 for vLLM
+# 0.32.0, 0.7.2.post1 for 0.33.0, 0.7.4 for 0.34.0).  Paths relative to flashinfer/data.
+_FLASHINFER_FACTS = {
+    "V4 record: 448 fp8 NoPE + 64 bf16 RoPE; 7 scales of 64 dims; V is the whole row": [
+        {_SM120 + "model/kv_cache_traits.cuh": [
+            "static constexpr int D_NOPE = 448;", "static constexpr int D_ROPE = 64;",
+            "static constexpr int NUM_SCALES = 7;", "static constexpr bool V_HAS_ROPE = true;"]},
+        {_SM120 + "model/dsv4_geometry.cuh": [
+            "static constexpr int D_NOPE = 448;", "static constexpr int D_ROPE = 64;",
+            "static constexpr bool V_HAS_ROPE = true;"],
+         _SM120 + "model/kv_cache_traits.cuh": ["Scales::count(D_NOPE);  // 7 = 448/64"]},
+    ],
+    "data at page + row * 576, footer at page + pbs * 576 + row * 8, page = idx / pbs": [
+        {_SM120 + "common/kv_cache_io.cuh": [
+            "DSV4: IO_STRIDE = D_NOPE + D_ROPE*2 = 576", "int block_idx = idx / pbs;",
+            "(size_t)block_idx * stride_kv_block + (size_t)pbs * IO::IO_STRIDE"]},
+        {_SM120 + "common/kv_cache_io.cuh": [
+            "DSV4: IO_STRIDE = D_NOPE + D_ROPE*2 = 576",
+            "(size_t)(idx / pbs) * kv_stride_bytes + (size_t)(idx % pbs) * IO::IO_STRIDE",
+            "(size_t)pbs * IO::IO_STRIDE +"]},
+    ],
+    "UE8M0 byte e decodes to 2 ** (e - 127)": [
+        {_SM120 + "model/scale_convert.cuh": ["static_cast<uint32_t>(v) << 23;"]},
+    ],
+    "the sink adds exp(sink - max) to the softmax denominator": [
+        {_SM120 + "decode_dsv4_kernel.cuh": ["total_sum += exp2f(sink_log2 - gmax)"]},
+        {_SM120 + "execution/merge.cuh": ["total_sum += exp2f(sink_log2 - gmax)"]},
+    ],
+    "NHD pages: rows = shape[1], page stride = stride(0), footer rows packed at 584": [
+        {"csrc/sparse_mla_sm120_jit_binding.cu": [
+            "return {static_cast<int>(kv.size(1)), static_cast<size_t>(kv.stride(0)) "
+            "* elem_bytes,",
+            "TVM_FFI_ICHECK_EQ(kv_layout.stride_kv_row, bpt)"]},
+        {"csrc/sparse_mla_sm120/attention_validation.h": [
+            "axis = kv.size(1) == 1 ? 2 : 1;", "const int64_t page_stride = kv.stride(0);",
+            "footer-scale rows must stay tightly packed"]},
+    ],
+}
+
+
+def _holds(root: Path, alternative: dict[str, list[str]]) -> bool:
+    for rel, needles in alternative.items():
+        path = root / rel
+        if not path.is_file() or not all(n in path.read_text(encoding="utf-8") for n in needles):
+            return False
+    return True
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("fact", sorted(_FLASHINFER_FACTS))
+def test_reader_layout_facts_hold_in_the_installed_flashinfer(fact):
+    """The facts the stand-in attention reader is written from, read off the
+    installed FlashInfer's kernel sources (without importing FlashInfer)."""
+    spec = importlib.util.find_spec("flashinfer")
+    assert spec is not None and spec.submodule_search_locations
+    root = Path(next(iter(spec.submodule_search_locations))) / "data"
+    assert any(_holds(root, alt) for alt in _FLASHINFER_FACTS[fact]), fact
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_writer_layout_facts_hold_in_the_installed_vllm():
+    """The writers address pages the way the stand-in readers assume."""
+    from vllm.models.deepseek_v41.common.ops import fused_compress_quant_cache, indexer_k_store
+
+    writer = inspect.getsource(fused_compress_quant_cache._rope_quant_insert_kernel.fn)
+    assert "page = cache + (slot // CACHE_BLOCK).to(tl.int64) * CACHE_STRIDE" in writer
+    assert "scales = page + CACHE_BLOCK * 576 + (slot % CACHE_BLOCK) * 8" in writer
+    index = inspect.getsource(indexer_k_store._indexer_k_norm_rope_quant_store_kernel.fn)
+    assert "+ kv_cache_block_size * TOKEN_STRIDE" in index
