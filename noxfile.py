@@ -10,6 +10,7 @@ lock file's contents, and is a no-op when it already is.
     nox                       # the tests, every release
     nox -s vllm-0.25.1        # the tests, one release
     nox -t verify             # `vllm-mla-fixes verify` on each release a fix targets
+    nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
 """
 from __future__ import annotations
 
@@ -102,21 +103,63 @@ def _verify_session(release: str):
                        default=False)(session_func)
 
 
+# Releases the DeepSeek-V4.1 self-test covers: it must pass there on a GPU runner.
+SELFTEST_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+RESULTS_ENV = "VLLM_MLA_FIXES_GPU_RESULTS"
+
+
+def _toolkit_env(session: nox.Session) -> dict[str, str]:
+    """FlashInfer and DeepGEMM JIT-compile with nvcc: point them at the lock's
+    CUDA toolkit wheels."""
+    import json
+
+    printed = session.run("python", str(ROOT / "tests" / "gpu" / "cuda_toolkit.py"), silent=True)
+    toolkit = json.loads(printed.strip().splitlines()[-1])
+    env = {key: value for key, value in toolkit.items() if key != "CUDA_TOOLKIT_BIN"}
+    if "CUDA_TOOLKIT_BIN" in toolkit:
+        env["PATH"] = os.pathsep.join([toolkit["CUDA_TOOLKIT_BIN"], session.bin,
+                                       os.environ.get("PATH", "")])
+    return env
+
+
+def _run_selftest(session: nox.Session, release: str, env: dict[str, str]) -> None:
+    """``vllm-mla-fixes selftest --json`` into the results folder: must pass on a
+    release it covers (exit 0), and say why it cannot run elsewhere (exit 2)."""
+    results = Path(os.environ.get(RESULTS_ENV) or Path(session.create_tmp()) / "results")
+    results.mkdir(parents=True, exist_ok=True)
+    report = results / "selftest.json"
+    codes = [0] if release in SELFTEST_RELEASES else [0, 2]
+    printed = session.run("vllm-mla-fixes", "selftest", "--json", env=env, silent=True,
+                          success_codes=[0, 1, 2], stderr=None)
+    report.write_text(printed)
+    session.log(f"selftest report: {report}")
+    import json
+
+    status = json.loads(printed)["exit_status"]
+    if status not in codes:
+        session.error(f"vllm-mla-fixes selftest exited {status} on vLLM {release} (report: {report})")
+
+
+def _selftest_session(release: str):
+    def session_func(session: nox.Session) -> None:
+        _install(session, release)
+        _run_selftest(session, release, _toolkit_env(session))
+
+    session_func.__doc__ = (f"`vllm-mla-fixes selftest --json` on vLLM {release}, on this machine's "
+                            f"device (writes ${RESULTS_ENV}/selftest.json).")
+    return nox.session(python="3.11", name=f"selftest-{release}", tags=["selftest"],
+                       default=False)(session_func)
+
+
 def _gpu_session(release: str):
     def session_func(session: nox.Session) -> None:
-        import json
-
         _install(session, release)
         gpu_tests = ROOT / "tests" / "gpu"
-        # FlashInfer JIT-compiles with nvcc: point it at the lock's CUDA toolkit wheels.
-        printed = session.run("python", str(gpu_tests / "cuda_toolkit.py"), silent=True)
-        toolkit = json.loads(printed.strip().splitlines()[-1])
-        env = {key: value for key, value in toolkit.items() if key != "CUDA_TOOLKIT_BIN"}
-        if "CUDA_TOOLKIT_BIN" in toolkit:
-            env["PATH"] = os.pathsep.join([toolkit["CUDA_TOOLKIT_BIN"], session.bin,
-                                           os.environ.get("PATH", "")])
+        env = _toolkit_env(session)
         # Fails the job when the GPU that VLLM_MLA_FIXES_EXPECT_GPU_CC declares is unusable.
         session.run("python", str(gpu_tests / "preflight.py"), env=env)
+        # The self-test first: the real kernels on the fixed layout, on this runner's GPU.
+        _run_selftest(session, release, env)
         session.run("pytest", "--vllm-release", release, "-rs", str(gpu_tests), *session.posargs,
                     env=env)
 
@@ -156,3 +199,5 @@ for _release in VERIFY_RELEASES:
     _verify_session(_release)
 for _release in RELEASES:
     _gpu_session(_release)
+for _release in SELFTEST_RELEASES:
+    _selftest_session(_release)

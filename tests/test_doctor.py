@@ -119,6 +119,10 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     assert "--moe-backend triton is not supported on SM120" in text
     assert "U+FFFD" in text
     assert proc.returncode == 1  # mxfp4 and triton block this line on SM120
+    # it points to the self-test and the smoke check, the two commands tests run
+    (check,) = [f for f in findings if f["message"].startswith("prove the fixed KV layout")]
+    assert check["advice"] == ("vllm-mla-fixes selftest; then "
+                               "vllm-mla-fixes smoke http://<host>:<port>")
 
 
 # -- every remedy doctor prints is run here, or checked by the release's own code ------

@@ -10,7 +10,9 @@ a subprocess of the release's environment), twice at once:
   own layout, where it starts, reproduces the bug; exit status 0;
 * with the fix regressed to that bug class (a ``sitecustomize`` takes the
   ratio-1 slot translation out of ``dsv41-sm120-geometry`` before anything
-  runs): the default geometry must fail every case, exit status 1.
+  runs): the default geometry must fail every case, exit status 1.  This run
+  is on 0.34.0 only, to keep CI within its budget: the fix's code paths it
+  regresses are the same reviewed definitions on 0.32.0 and 0.33.0.
 
 On CPU the writers are vLLM's Triton kernels under the interpreter (the SWA
 writer its Triton twin) and the readers PyTorch stand-ins that refuse the page
@@ -65,15 +67,20 @@ def _finish(proc: subprocess.Popen) -> tuple[int, dict, str]:
     return proc.returncode, report, err
 
 
+REGRESSED_ON = "0.34.0"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The installed fix and the regressed one, run side by side."""
-    site = tmp_path_factory.mktemp("regressed")
-    (site / "sitecustomize.py").write_text(REGRESSED_FIX)
+def runs(request, tmp_path_factory):
+    """The installed fix and (on 0.34.0) the regressed one, run side by side."""
     installed = _selftest()
-    regressed = _selftest("--geometry", "split", "--no-timing", "--jobs", "1",
-                          PYTHONPATH=str(site))
-    return _finish(installed), _finish(regressed)
+    regressed = None
+    if request.config.vllm_release == REGRESSED_ON:
+        site = tmp_path_factory.mktemp("regressed")
+        (site / "sitecustomize.py").write_text(REGRESSED_FIX)
+        regressed = _selftest("--geometry", "split", "--no-timing", "--jobs", "1",
+                              PYTHONPATH=str(site))
+    return _finish(installed), regressed and _finish(regressed)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +133,7 @@ def test_control_fails_every_case(report):
     assert g["ratio1_slot_mismatches"] > 0 and g["foreign_bytes"] > 0
 
 
-@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.vllm_release(REGRESSED_ON)
 def test_selftest_exits_1_when_the_fix_keeps_manager_block_slots(runs):
     _, (status, report, err) = runs
     g = _geometry(report, "split")

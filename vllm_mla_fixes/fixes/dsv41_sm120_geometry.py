@@ -843,7 +843,13 @@ def diagnose(env, serve) -> list:
                         "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here")]
     findings = [Finding("info", name, f"GPU {'SM%d%d' % sm if sm else 'not visible'}: SM120 (RTX PRO 6000) "
                         "and SM121 (GB10) are both compute capability 12.x; the fix applies to both "
-                        "(neither has been run on hardware by this project)")]
+                        "(neither has been run on hardware by this project)"),
+                Finding("info", name, "prove the fixed KV layout on this GPU before serving: the "
+                        "self-test runs FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits "
+                        "and the indexer-K gather over it against a dense reference (exit 0 pass, "
+                        "1 mismatch, 2 cannot run); once the server is up, check its replies for "
+                        "U+FFFD; attach both outputs to a bug report",
+                        f"{SELFTEST_COMMAND}; then {SMOKE_COMMAND}")]
     fi, cubin, jit = (env.packages.get(p) for p in ("flashinfer-python", "flashinfer-cubin",
                                                       "flashinfer-jit-cache"))
     if fi and cubin and fi != cubin:
@@ -901,6 +907,9 @@ def diagnose(env, serve) -> list:
     return findings
 
 
+# Commands doctor suggests; tests run both (tests/test_selftest.py, tests/test_smoke.py).
+SELFTEST_COMMAND = "vllm-mla-fixes selftest"
+SMOKE_COMMAND = "vllm-mla-fixes smoke http://<host>:<port>"
 # Serve flags doctor suggests; tests check them with each affected release's own config classes.
 INDEXER_FP8_FLAG = "--attention-config '{\"indexer_kv_dtype\": \"fp8\"}'"
 MOE_MARLIN_FLAG = "--moe-backend marlin"

@@ -94,6 +94,12 @@ def run_selftest(geometries: tuple[str, ...] | None = None, jobs: int | None = N
     report.cannot_run = _preflight(device)
     if report.cannot_run is not None:
         return report
+    if device.kind == "cuda" and "upstream" in geometries:
+        # vLLM lays out upstream's caches for the device it runs on; upstream's
+        # SM12x layout needs an SM12x GPU (or the CPU's SM120 stand-in platform).
+        geometries = tuple(g for g in geometries if g != "upstream")
+        report.notes.append("upstream's SM12x layout is not run on this GPU: vLLM lays out "
+                            "upstream's caches for the device it runs on")
     jobs = jobs or (min(len(geometries), os.cpu_count() or 1) if device.kind == "cpu" else 1)
     if jobs > 1:
         context = multiprocessing.get_context("spawn")

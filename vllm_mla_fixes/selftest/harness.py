@@ -39,16 +39,12 @@ from .layout import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, des
 from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan, Worker
 
 SENTINEL = 0xA5
-TOLERANCE = {
-    # relative error (max |got - dense| / max |dense|) a read may show
-    "stand-in": 1e-5,  # the same arithmetic on the same bytes: float summation order only
-    # FlashInfer's SM120 kernel rounds Q and P through fp8/bf16 (relative L2
-    # error); a wrong page reads 0.7 (zeroed) to 1e11 (stale)
-    kn.ATTENTION_DECODE: 0.05,
-    kn.ATTENTION_PREFILL: 0.05,
-    kn.INDEXER_LOGITS: 1e-3,  # fp8 products are exact in fp32; summation order only
-    kn.INDEXER_GATHER: 0.0,  # a byte copy
-}
+# Relative error a read may show against the dense reference (max |got - dense|
+# / max |dense|, or relative L2 for a real attention kernel).  A wrong page
+# reads 0.7 (zeroed pages) to 1e11 (stale ones).
+EXACT = 1e-5  # CPU: the interpreted writers round as the reference does; summation order only
+GPU_WRITERS = 1e-2  # GPU writers round like the reference, but not always to the same bit
+REAL_ATTENTION = 0.05  # FlashInfer's SM120 kernel also rounds Q and P through fp8/bf16
 
 
 # ------------------------------------------------------------------ results
@@ -228,9 +224,11 @@ class Run:
                                        f"{self.tolerance(kernel):g})")
 
     def tolerance(self, kernel: str) -> float:
-        if self.kernels.is_real(kernel):
-            return TOLERANCE[kernel]
-        return 0.0 if kernel == kn.INDEXER_GATHER else TOLERANCE["stand-in"]
+        if self.kernels.is_real(kernel) and kernel in (kn.ATTENTION_DECODE, kn.ATTENTION_PREFILL):
+            return REAL_ATTENTION
+        if self.kernels.device.kind != "cpu":
+            return GPU_WRITERS
+        return 0.0 if kernel == kn.INDEXER_GATHER else EXACT
 
     # ---------------------------------------------------------- zeroing
 

@@ -168,13 +168,16 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
 
 def upstream_block_size() -> int:
     """The ``--block-size`` upstream starts with on SM12x: the kernel block its
-    FlashInfer backend declares there (128 up to 0.33.0, 64 from 0.34.0, where
-    128 fails at start-up)."""
+    FlashInfer and indexer backends declare there (128 up to 0.33.0; 64 from
+    0.34.0, where 128 fails at start-up)."""
     from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
-        DeepseekV4FlashInferMLASparseBackend as backend,
+        DeepseekV4FlashInferMLASparseBackend,
     )
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 
-    sizes = [int(s) for s in backend.get_supported_kernel_block_sizes() if isinstance(s, int)]
+    sizes = [int(size) for backend in (DeepseekV4FlashInferMLASparseBackend,
+                                       DeepseekV41IndexerBackend)
+             for size in backend.get_supported_kernel_block_sizes() if isinstance(size, int)]
     return min(sizes) if sizes else 128
 
 

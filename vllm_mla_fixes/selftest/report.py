@@ -68,6 +68,7 @@ class Report:
     results: list[GeometryResult]
     timing: list[StepCost] = field(default_factory=list)
     cannot_run: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def exit_status(self) -> int:
@@ -83,6 +84,7 @@ class Report:
                        "capability": list(self.device.capability) if self.device.capability else None},
             "exit_status": self.exit_status,
             "cannot_run": self.cannot_run,
+            "notes": self.notes,
             "kernels": dict(self.kernels.sources),
             "geometries": [{
                 "name": r.geometry, "title": r.title, "role": r.role,
@@ -156,11 +158,12 @@ class Report:
                              f"{cost.map_to_kernel_block_table_us:.1f}")
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
+        lines += [f"note: {note}" for note in self.notes]
         if stand_ins:
             lines.append("stand-ins on this device (their rows prove the layout against a "
                          "PyTorch model of the kernel, not the kernel): " + "; ".join(stand_ins))
-        lines.append({EXIT_OK: "verdict: PASS - the fix's geometries read back exactly; the "
-                               "control was caught in every case",
+        lines.append({EXIT_OK: "verdict: PASS - the fix's geometries read back as written in every "
+                               "serving case; the control was caught in every case",
                       EXIT_MISMATCH: "verdict: FAIL - do not serve DeepSeek-V4.1 with this stack; "
                                      "attach this output (or --json) to a bug report"}
                      [self.exit_status])
