@@ -28,7 +28,7 @@ the probe's own decode against the dense truth, which only the harness has
 unwritten reads; a split with untranslated writer slots 0.70 with 128 of 821
 reads unwritten, and 3e11 once its wrong pages hold other data -- a case
 the GPU check sees only through the unwritten count.  Page agreement for the
-fix's geometry is proven in full on CPU by ``tests/test_dsv41_correctness.py``.
+fix's geometry is proven in full on CPU by ``vllm-mla-fixes selftest`` (``tests/test_selftest.py``).
 
 MoE: the tiny model's experts are MXFP4.  ``VLLM_MLA_FIXES_GPU_MOE_BACKEND``
 passes ``--moe-backend`` (the SM120 CI job sets ``marlin``, the report's
