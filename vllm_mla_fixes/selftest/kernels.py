@@ -252,7 +252,7 @@ def sparse_mla_stand_in(*, query, swa_kv_cache, workspace_buffer, sparse_indices
         int(compressed_kv_cache.shape[1]) if compressed_kv_cache is not None else None,
         int(query.shape[1]), int(sparse_indices.shape[-1]))
     if problem is not None:
-        raise ValueError(f"SM120 sparse-MLA has no kernel for this page geometry: {problem}")
+        raise ValueError(f"FlashInfer refuses this page geometry: {problem}")
     decoded = ref.sm120_sparse_decode(
         query.float().cpu(), swa_kv_cache.cpu(), sparse_indices.cpu(), swa_topk_lens.cpu(),
         None if compressed_kv_cache is None else compressed_kv_cache.cpu(),
