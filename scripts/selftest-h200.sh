@@ -6,8 +6,8 @@
 #
 # On an H200 the writers, DeepGEMM's paged MQA logits and the indexer-K gather
 # are the real kernels; FlashInfer's SM120 sparse-MLA kernel exists only on
-# SM12x, so a PyTorch reader stands in for it (its rows say so).  Exit status:
-# the self-test's (0 pass, 1 mismatch, 2 cannot run).
+# SM12x, so a PyTorch reader stands in for it (its rows say so).  Exit status 0 when the
+# self-test passes; otherwise the report says what failed or why it could not run.
 #
 #   scripts/selftest-h200.sh            # report: gpu-results/selftest-0.34.0/selftest.json
 set -euo pipefail

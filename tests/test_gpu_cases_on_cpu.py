@@ -169,10 +169,10 @@ def harness_reads():
     for geometry in ("split", "control"):
         captured = []
 
-        def observe(out, **call):
+        def observe(out, _captured=captured, **call):
             probe = torch.empty(call["query"].shape, dtype=torch.float32)
             read, unwritten = call_probes.reference_sparse_mla(**call, out=probe)
-            captured.append({"harness": out.float().clone(), "probe": probe, "read": read,
+            _captured.append({"harness": out.float().clone(), "probe": probe, "read": read,
                              "unwritten": unwritten})
 
         kernels = kn.Kernels.for_device(device)

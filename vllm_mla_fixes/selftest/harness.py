@@ -28,7 +28,6 @@ import random
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -274,8 +273,7 @@ class Run:
         held_by_others = {name: set(b for ids in self.scheduler.block_ids(name) for b in ids)
                           for name in self.scheduler.requests}
         pages: dict[str, list[int]] = {}
-        for name, start, _, replay, _ in zip(batch.names, batch.starts, batch.counts,
-                                              batch.replay_start, batch.prefilling):
+        for name, replay in zip(batch.names, batch.replay_start, strict=True):
             if not replay:
                 continue
             for cache in self.layout.caches.values():

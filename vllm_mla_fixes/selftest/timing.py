@@ -81,6 +81,6 @@ def _slot_translation_cost(device: torch.device) -> list[StepCost]:
             slots[-3:] = -1  # graph padding
             out.append(StepCost(
                 tokens,
-                _best_us(lambda: fix.kernel_slots(group, slots), device),
-                _best_us(lambda: group.map_to_kernel_block_table(table), device)))
+                _best_us(lambda s=slots: fix.kernel_slots(group, s), device),
+                _best_us(lambda t=table: group.map_to_kernel_block_table(t), device)))
     return out
