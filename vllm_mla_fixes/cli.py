@@ -103,7 +103,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_selftest(args) -> int:
-    from vllm_mla_fixes.selftest import EXIT_CANNOT_RUN
+    from vllm_mla_fixes.selftest.verdicts import EXIT_CANNOT_RUN
 
     try:
         import torch  # noqa: F401

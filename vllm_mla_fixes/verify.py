@@ -2,9 +2,9 @@
 that this release has, then show the fix removes it -- on CPU, with the
 package's tiny model configs.
 
-Each fix that the installed release is affected by contributes a verifier
-``verify(report) -> bool`` (in ``vllm_mla_fixes/reproductions/``); ``report``
-prints one line.  A verifier applies its own fix with the plugin's mechanism
+Each fix that the installed release is affected by contributes verifiers
+``verify(report) -> bool`` (in ``vllm_mla_fixes/reproductions/``, and for
+DeepSeek-V4.1 the self-test); ``report`` prints one line.  A verifier applies its own fix with the plugin's mechanism
 and reverts it before returning.
 """
 from __future__ import annotations
@@ -17,9 +17,11 @@ from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import State, release_decision
 
 VERIFIERS = {
-    "fp8-ds-mla-reshape": "vllm_mla_fixes.reproductions.fp8_ds_mla",
-    "fa4-compile-strides": "vllm_mla_fixes.reproductions.fa4_compile_strides",
-    "dsv41-sm120-geometry": "vllm_mla_fixes.reproductions.dsv41_sm120_geometry",
+    "fp8-ds-mla-reshape": ("vllm_mla_fixes.reproductions.fp8_ds_mla",),
+    "fa4-compile-strides": ("vllm_mla_fixes.reproductions.fa4_compile_strides",),
+    # the failures reproduced and fixed, then the fixed layout read back by the self-test
+    "dsv41-sm120-geometry": ("vllm_mla_fixes.reproductions.dsv41_sm120_geometry",
+                             "vllm_mla_fixes.selftest"),
 }
 
 
@@ -39,12 +41,14 @@ def run(report: Callable[[str], None] = print) -> int:
             verdict = "not affected" if decided.state is State.NOT_NEEDED else decided.state.value
             report(f"[{info.name}] {verdict}: {decided.reason}")
             continue
-        target = VERIFIERS.get(info.name)
-        if target is None:
+        targets = VERIFIERS.get(info.name)
+        if targets is None:
             report(f"[{info.name}] no CPU verifier for this fix")
             continue
         report(f"[{info.name}] {info.summary}")
-        ok = importlib.import_module(target).verify(lambda line: report(f"  {line}"))
+        ok = True
+        for target in targets:
+            ok &= bool(importlib.import_module(target).verify(lambda line: report(f"  {line}")))
         report(f"[{info.name}] {'PASS' if ok else 'FAIL'}")
         results.append(ok)
     return 0 if all(results) else 1

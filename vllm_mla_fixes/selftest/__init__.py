@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .report import Report
 
+from .verdicts import EXIT_OK
+
 DEFAULT_GEOMETRIES = ("split", "fallback", "upstream", "control")
-EXIT_OK, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
 
 
 def _preflight(device) -> str | None:
@@ -117,3 +118,20 @@ def run_selftest(geometries: tuple[str, ...] | None = None, jobs: int | None = N
             report.timing = []
             traceback.print_exc()
     return report
+
+
+def verify(report) -> bool:
+    """``vllm-mla-fixes verify``'s correctness step for DeepSeek-V4.1: the
+    self-test's default geometry and its control on this device."""
+    from .report import geometry_verdict
+
+    result = run_selftest(("split", "control"), timing=False)
+    if result.cannot_run is not None:
+        report(f"correctness: cannot run: {result.cannot_run}")
+        return False
+    for geometry in result.results:
+        failed = geometry.failed_cases()
+        report(f"correctness ({result.device.label}), {geometry.title}: "
+               f"{geometry_verdict(geometry)}; serving cases failed: {', '.join(failed) or 'none'}; "
+               f"foreign bytes {geometry.foreign_bytes}, stray bytes {geometry.stray_bytes}")
+    return result.exit_status == EXIT_OK

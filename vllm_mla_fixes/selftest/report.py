@@ -6,15 +6,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import EXIT_CANNOT_RUN, EXIT_MISMATCH, EXIT_OK
 from . import kernels as kn
 from .harness import GeometryResult
 from .timeline import CASES
 from .timing import StepCost
 
-PASS, FAIL = "pass", "FAIL"
-CAUGHT, MISSED = "caught", "MISSED"
-BUG, NO_BUG = "bug reproduced", "no failure here"
+from .verdicts import (
+    BUG,
+    CAUGHT,
+    EXIT_CANNOT_RUN,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    FAIL,
+    MISSED,
+    NO_BUG,
+    PASS,
+)
 
 
 
