@@ -170,6 +170,7 @@ class Run:
         self.rng = random.Random(seed)
         self.ever_held: set[int] = set()
         self.finished_blocks: set[int] = set()
+        self.dense: dict[tuple, torch.Tensor] = {}  # dense reference rows, computed once
 
     # ---------------------------------------------------------- one step
 
@@ -465,20 +466,36 @@ class Run:
             for row in range(first, end):
                 pos = pos0 + row - first
                 lo = max(0, pos - model.sliding_window + 1, lower[r])
-                window = inputs.swa[name][layer][lo: pos + 1]
-                kv = [ref.dense_swa_rows(ref.rope_swa_rows(window, inputs.cos_sin[lo: pos + 1],
-                                                           ref.Rounding("round-to-nearest-even")),
-                                         self.rounding)]
+                kv = [self.dense_swa(name, layer)[lo: pos + 1]]
                 if ratio:
-                    states = chosen[row]
-                    latent = inputs.latent[name][source][states * ratio + ratio - 1]
-                    angles = inputs.cos_sin[states * ratio]
-                    kv.append(ref.dense_compressed_rows(latent, angles[:, :32], angles[:, 32:],
-                                                        self.rounding))
+                    kv.append(self.dense_compressed(name, source, ratio)[chosen[row]])
                 dense = ref.sink_softmax_attention(q_cpu[row], torch.cat(kv),
                                                    reader.attn_sink.cpu(), reader.scale)
                 kernel = kn.ATTENTION_DECODE if row < nd else kn.ATTENTION_PREFILL
                 self.note(plan, kernel, self.error(kernel, got[row], dense))
+
+    def dense_swa(self, name: str, layer: int) -> torch.Tensor:
+        """Every position's sliding-window row as the SWA writer stores it
+        (RoPE, bf16, fp8 NoPE), dequantised; computed once per prompt and layer."""
+        key = ("swa", name, layer)
+        if key not in self.dense:
+            inputs = self.inputs
+            rows = ref.rope_swa_rows(inputs.swa[name][layer], inputs.cos_sin,
+                                     ref.Rounding("round-to-nearest-even"))
+            self.dense[key] = ref.dense_swa_rows(rows, self.rounding)
+        return self.dense[key]
+
+    def dense_compressed(self, name: str, source: int, ratio: int) -> torch.Tensor:
+        """Every compressed state's row as ``rope_quant_insert`` stores it (the
+        latent of the state's last token, RoPE at its first), dequantised."""
+        key = ("compressed", name, source)
+        if key not in self.dense:
+            states = torch.arange(self.model.max_model_len // ratio)
+            latent = self.inputs.latent[name][source][states * ratio + ratio - 1]
+            angles = self.inputs.cos_sin[states * ratio]
+            self.dense[key] = ref.dense_compressed_rows(latent, angles[:, :32], angles[:, 32:],
+                                                        self.rounding)
+        return self.dense[key]
 
     def error(self, kernel: str, got: torch.Tensor, want: torch.Tensor) -> float:
         """Relative error: L2 for a real attention kernel (it rounds through
@@ -515,6 +532,7 @@ class Run:
             weights = torch.rand(batch_size, model.index_heads, generator=self.inputs.gen)
             max_len = model.max_model_len // cache.ratio
             try:
+                # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
                 logits = self.kernels.paged_logits(
                     q_fp8.to(device), view.unsqueeze(-2), weights.to(device),
                     decode.seq_lens, decode.block_table, decode.schedule_metadata,
