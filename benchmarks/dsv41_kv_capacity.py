@@ -15,17 +15,20 @@ chosen with speculative decoding, a KV connector, ...; forced here with
     CUDA_VISIBLE_DEVICES= python benchmarks/dsv41_kv_capacity.py \
         > benchmarks/results/dsv41_kv_capacity_<release>.txt
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
 
-
 GEOMETRIES = (
     ("upstream --block-size 128 (SWA 32, one packed 128 group)", None),
-    ("fixed, default: interleaved split (128-token blocks, ratio-1 64-state kernel pages "
-     "interleaved, SWA 64)", "interleaved-split"),
+    (
+        "fixed, default: interleaved split (128-token blocks, ratio-1 64-state kernel pages "
+        "interleaved, SWA 64)",
+        "interleaved-split",
+    ),
     ("fixed, fallback: per-ratio (ratio-1 64, ratio-2 128, SWA 64)", "per-ratio"),
 )
 
@@ -60,7 +63,11 @@ def context_bytes_per_token(block_size: int) -> float:
     """Bytes a long request pays per context token in the groups that grow
     with it (everything but the sliding-window and ring groups): each block of
     the shared pool costs the pool's block stride, whichever group holds it."""
-    from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -92,18 +99,27 @@ def main() -> None:
             for max_model_len in args.max_model_len:
                 rows.append((label, max_model_len, repro.capacity(128, max_model_len), per_token))
 
-    print(f"vLLM {vllm.__version__}, FlashInfer {repro.flashinfer_version()}: "
-          "DeepSeek-V4.1-Flash KV capacity per GiB per rank (fp8_ds_mla, 584 B records)")
-    header = ("| geometry | max_model_len | groups | block stride (B) | blocks/GiB | "
-              "tokens/GiB (vLLM) | concurrency | context B/token | vs upstream |")
+    print(
+        f"vLLM {vllm.__version__}, FlashInfer {repro.flashinfer_version()}: "
+        "DeepSeek-V4.1-Flash KV capacity per GiB per rank (fp8_ds_mla, 584 B records)"
+    )
+    header = (
+        "| geometry | max_model_len | groups | block stride (B) | blocks/GiB | "
+        "tokens/GiB (vLLM) | concurrency | context B/token | vs upstream |"
+    )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    baseline = {max_model_len: figures["tokens"] for label, max_model_len, figures, _ in rows
-                if label.startswith("upstream")}
+    baseline = {
+        max_model_len: figures["tokens"]
+        for label, max_model_len, figures, _ in rows
+        if label.startswith("upstream")
+    }
     for label, max_model_len, figures, per_token in rows:
-        print(f"| {label} | {max_model_len} | {figures['groups']} | {figures['bytes_per_block']} | "
-              f"{figures['num_blocks']} | {figures['tokens']:,} | {figures['concurrency']:.2f} | "
-              f"{per_token:.0f} | {figures['tokens'] / baseline[max_model_len]:.3f}x |")
+        print(
+            f"| {label} | {max_model_len} | {figures['groups']} | {figures['bytes_per_block']} | "
+            f"{figures['num_blocks']} | {figures['tokens']:,} | {figures['concurrency']:.2f} | "
+            f"{per_token:.0f} | {figures['tokens'] / baseline[max_model_len]:.3f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ model, at a decode batch (64 tokens) and a prefill chunk (8,192 tokens).
     CUDA_VISIBLE_DEVICES= python benchmarks/dsv41_per_step.py \
         > benchmarks/results/dsv41_per_step_<release>.txt
 """
+
 from __future__ import annotations
 
 import os
@@ -39,33 +40,49 @@ def main() -> None:
         repro.select_kernel_block_sizes(geometry)
         repro.allocate_and_bind(geometry)
         geometry.vllm_config.scheduler_config.max_num_batched_tokens = 8192
-        group = next(g for gs in geometry.attn_groups for g in gs
-                     if g.layer_names == ["model.layers.20.attn"])
+        group = next(
+            g
+            for gs in geometry.attn_groups
+            for g in gs
+            if g.layer_names == ["model.layers.20.attn"]
+        )
         group.metadata_builders = [_Builder(geometry.vllm_config, repro.CPU)]
         requests, blocks_per_request = 64, 64
         table = torch.randint(0, 1000, (requests, blocks_per_request), dtype=torch.int32)
         # vLLM's persistent kernel block table, as its model runner sizes it (the real one is on the GPU).
-        group.kernel_block_table = torch.zeros(1, requests, 2 * blocks_per_request, dtype=torch.int32)
+        group.kernel_block_table = torch.zeros(
+            1, requests, 2 * blocks_per_request, dtype=torch.int32
+        )
         group.kernel_block_offsets = torch.arange(2, dtype=torch.int32)
         rounds, calls = 15, 500
-        print(f"vLLM {vllm.__version__}, torch {torch.__version__}, CPU, 1 thread; best of {rounds} "
-              f"interleaved rounds x {calls} calls")
-        print("| tokens in the step | kernel_slots, one group (us) | two ratio-1 groups per step (us) "
-              "| vLLM's map_to_kernel_block_table, one group (us) |")
+        print(
+            f"vLLM {vllm.__version__}, torch {torch.__version__}, CPU, 1 thread; best of {rounds} "
+            f"interleaved rounds x {calls} calls"
+        )
+        print(
+            "| tokens in the step | kernel_slots, one group (us) | two ratio-1 groups per step (us) "
+            "| vLLM's map_to_kernel_block_table, one group (us) |"
+        )
         print("|---|---|---|---|")
         for tokens in (64, 8192):
             slots = torch.randint(0, 1000 * 128, (tokens,), dtype=torch.int64)
             slots[-3:] = -1  # pads
-            cases = {"slots": lambda: fix.kernel_slots(group, slots),
-                     "table": lambda: group.map_to_kernel_block_table(table)}
+            cases = {
+                "slots": lambda slots=slots: fix.kernel_slots(group, slots),
+                "table": lambda: group.map_to_kernel_block_table(table),
+            }
             best = {name: float("inf") for name in cases}
             for _ in range(rounds):
                 for name, call in cases.items():
                     best[name] = min(best[name], timeit.timeit(call, number=calls) / calls * 1e6)
-            print(f"| {tokens} | {best['slots']:.1f} | {2 * best['slots']:.1f} | {best['table']:.1f} |")
-    print("\nOn a GPU each kernel_slots call is three elementwise kernels on at most "
-          "max_num_batched_tokens int64 values (no allocation, no host sync); the step's "
-          "metadata build runs outside CUDA graphs, as vLLM's own table mapping does.")
+            print(
+                f"| {tokens} | {best['slots']:.1f} | {2 * best['slots']:.1f} | {best['table']:.1f} |"
+            )
+    print(
+        "\nOn a GPU each kernel_slots call is three elementwise kernels on at most "
+        "max_num_batched_tokens int64 values (no allocation, no host sync); the step's "
+        "metadata build runs outside CUDA graphs, as vLLM's own table mapping does."
+    )
 
 
 if __name__ == "__main__":

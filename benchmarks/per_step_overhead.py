@@ -8,6 +8,7 @@ replacement, DeepSeek-V4.1's kernel-block slots on SM12x, has its own script:
 
     CUDA_VISIBLE_DEVICES= python benchmarks/per_step_overhead.py   # vLLM 0.25.x
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,17 +29,21 @@ def main() -> None:
     runs = {label: [] for label in variants}
     for _ in range(rounds):  # interleaved, so drift in machine load hits both alike
         for label, convert in variants.items():
-            runs[label].append(timeit.timeit(lambda: convert(tensor), number=calls))
+            runs[label].append(timeit.timeit(lambda convert=convert: convert(tensor), number=calls))
     timings = {label: min(r) / calls * 1e6 for label, r in runs.items()}
-    print("to_cute_tensor on a real (130, 8, 192) bf16 tensor, best of "
-          f"{rounds} interleaved rounds x {calls} calls, CPU")
+    print(
+        "to_cute_tensor on a real (130, 8, 192) bf16 tensor, best of "
+        f"{rounds} interleaved rounds x {calls} calls, CPU"
+    )
     print("| function | us per call |")
     print("|---|---|")
     for label, us in timings.items():
         print(f"| {label} | {us:.2f} |")
     print(f"\nratio with fix / original: {timings['with fix'] / timings['original']:.3f}")
-    print("an FA4 prefill call converts about 8 tensors: added time per call "
-          f"{8 * (timings['with fix'] - timings['original']):+.2f} us")
+    print(
+        "an FA4 prefill call converts about 8 tensors: added time per call "
+        f"{8 * (timings['with fix'] - timings['original']):+.2f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,14 @@ affects them alike:
 of ``on, cold cache`` says where the remaining time goes: the plugin's functions by cumulative CPU
 time, and the modules it imports that ``none`` does not.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,8 +86,10 @@ CASES = {
     # imported vLLM's KV-cache interface (the one vLLM module the fp8 probe
     # imports) before they load plugins.
     "on, KV-cache module loaded": {"BENCH_PREIMPORT": "vllm.v1.kv_cache_interface"},
-    "none, KV-cache module loaded": {"BENCH_PREIMPORT": "vllm.v1.kv_cache_interface",
-                                     "VLLM_MLA_FIXES": "none"},
+    "none, KV-cache module loaded": {
+        "BENCH_PREIMPORT": "vllm.v1.kv_cache_interface",
+        "VLLM_MLA_FIXES": "none",
+    },
 }
 
 
@@ -96,23 +99,32 @@ SCREENS = tempfile.mkdtemp(prefix="plugin-overhead-screens-")
 def sm120_probe_ms(cache: str) -> float | None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env.update(CUDA_VISIBLE_DEVICES="", VLLM_MLA_FIXES_CACHE_DIR=cache)
-    out = subprocess.run([sys.executable, "-c", SM120_PROBE], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    result = json.loads(next(l for l in out.splitlines() if l.startswith("RESULT="))[len("RESULT="):])
+    out = subprocess.run(
+        [sys.executable, "-c", SM120_PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    result = json.loads(
+        next(ln for ln in out.splitlines() if ln.startswith("RESULT="))[len("RESULT=") :]
+    )
     return None if result is None else 1000 * result["cpu"]
 
 
 def one_run(case: str, mode: str = "time") -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES", "PYTHONDONTWRITEBYTECODE", "BENCH_PREIMPORT")}
-    cache = tempfile.mkdtemp(dir=SCREENS) if case == "on, cold cache" else os.path.join(SCREENS, "warm")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES", "PYTHONDONTWRITEBYTECODE", "BENCH_PREIMPORT")
+    }
+    cache = (
+        tempfile.mkdtemp(dir=SCREENS) if case == "on, cold cache" else os.path.join(SCREENS, "warm")
+    )
     env.update(CUDA_VISIBLE_DEVICES="", VLLM_MLA_FIXES_CACHE_DIR=cache, **CASES[case])
-    proc = subprocess.run([sys.executable, "-c", RUN, mode], env=env, capture_output=True,
-                          text=True)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT=")), None)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, mode], env=env, capture_output=True, text=True
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")), None)
     if proc.returncode or line is None:
         raise SystemExit(f"the {case} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT="):])
+    return json.loads(line[len("RESULT=") :])
 
 
 def main() -> None:
@@ -132,36 +144,52 @@ def main() -> None:
 
     from importlib.metadata import version
 
-    lines = [f"vLLM {version('vllm')}, Python {sys.version.split()[0]}, no GPU visible; "
-             f"CPU time of load_general_plugins(), {args.runs} fresh interpreters per case",
-             "| case | median (ms) | min (ms) | max (ms) | modules imported |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"vLLM {version('vllm')}, Python {sys.version.split()[0]}, no GPU visible; "
+        f"CPU time of load_general_plugins(), {args.runs} fresh interpreters per case",
+        "| case | median (ms) | min (ms) | max (ms) | modules imported |",
+        "|---|---|---|---|---|",
+    ]
     for case in CASES:
-        lines.append(f"| {case} | {median[case]:.1f} | {min(cpu_ms[case]):.1f} | "
-                     f"{max(cpu_ms[case]):.1f} | {len(runs[case][-1]['new_modules'])} |")
-    lines += ["",
-              f"fixes on - VLLM_MLA_FIXES=none: {median['on'] - median['none']:+.1f} ms (goal <= 50 ms)",
-              f"cold cache - VLLM_MLA_FIXES=none: {median['on, cold cache'] - median['none']:+.1f} ms "
-              "(first process after an install or upgrade)",
-              f"fixes on - plugin absent:       {median['on'] - median['absent']:+.1f} ms",
-              "with vllm.v1.kv_cache_interface already imported, on - none: "
-              f"{median['on, KV-cache module loaded'] - median['none, KV-cache module loaded']:+.1f} ms",
-              "fix states (on): " + ", ".join(f"{k}={v}" for k, v in runs["on"][-1]["states"].items()),
-              "modules imported with fixes on but not with none: "
-              + (", ".join(sorted(set(runs["on"][-1]["new_modules"])
-                                  - set(runs["none"][-1]["new_modules"]))) or "none"),
-]
+        lines.append(
+            f"| {case} | {median[case]:.1f} | {min(cpu_ms[case]):.1f} | "
+            f"{max(cpu_ms[case]):.1f} | {len(runs[case][-1]['new_modules'])} |"
+        )
+    lines += [
+        "",
+        f"fixes on - VLLM_MLA_FIXES=none: {median['on'] - median['none']:+.1f} ms (goal <= 50 ms)",
+        f"cold cache - VLLM_MLA_FIXES=none: {median['on, cold cache'] - median['none']:+.1f} ms "
+        "(first process after an install or upgrade)",
+        f"fixes on - plugin absent:       {median['on'] - median['absent']:+.1f} ms",
+        "with vllm.v1.kv_cache_interface already imported, on - none: "
+        f"{median['on, KV-cache module loaded'] - median['none, KV-cache module loaded']:+.1f} ms",
+        "fix states (on): " + ", ".join(f"{k}={v}" for k, v in runs["on"][-1]["states"].items()),
+        "modules imported with fixes on but not with none: "
+        + (
+            ", ".join(
+                sorted(set(runs["on"][-1]["new_modules"]) - set(runs["none"][-1]["new_modules"]))
+            )
+            or "none"
+        ),
+    ]
     warm = os.path.join(SCREENS, "sm120")
     cold_probe = [sm120_probe_ms(tempfile.mkdtemp(dir=SCREENS)) for _ in range(3)]
     if None not in cold_probe:
         sm120_probe_ms(warm)
         warm_probe = [sm120_probe_ms(warm) for _ in range(3)]
-        lines += ["", "dsv41-sm120-geometry probe as on SM12x (in-process, capability (12, 0); median of 3 "
-                  f"fresh interpreters): cold cache {statistics.median(cold_probe):.1f} ms, "
-                  f"cached {statistics.median(warm_probe):.1f} ms"]
+        lines += [
+            "",
+            "dsv41-sm120-geometry probe as on SM12x (in-process, capability (12, 0); median of 3 "
+            f"fresh interpreters): cold cache {statistics.median(cold_probe):.1f} ms, "
+            f"cached {statistics.median(warm_probe):.1f} ms",
+        ]
     for case, result in profiled.items():
-        lines += ["", f"where the time goes, {case} (one profiled run; cumulative, profiler overhead "
-                  f"included: {1000 * result['cpu']:.1f} ms):", result["profile"].strip()]
+        lines += [
+            "",
+            f"where the time goes, {case} (one profiled run; cumulative, profiler overhead "
+            f"included: {1000 * result['cpu']:.1f} ms):",
+            result["profile"].strip(),
+        ]
     shutil.rmtree(SCREENS, ignore_errors=True)
     report = "\n".join(lines) + "\n"
     print(report, end="")

@@ -7,6 +7,7 @@ and the review's output to benchmarks/results/review_0.33.0_to_0.34.0.txt.
 
     python benchmarks/release_review.py   # in an environment with vllm-mla-fixes installed
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ RESULT = Path(__file__).resolve().parent / "results" / "review_0.33.0_to_0.34.0.
 def timed_review(home: Path) -> tuple[float, subprocess.CompletedProcess]:
     cli = Path(sys.executable).parent / "vllm-mla-fixes"
     start = time.perf_counter()
-    proc = subprocess.run([str(cli), *COMMAND], capture_output=True, text=True,
-                          env=dict(os.environ, HOME=str(home)))
+    proc = subprocess.run(
+        [str(cli), *COMMAND], capture_output=True, text=True, env=dict(os.environ, HOME=str(home))
+    )
     return time.perf_counter() - start, proc
 
 
@@ -38,12 +40,16 @@ def main() -> None:
             seconds, proc = timed_review(Path(home))
             assert proc.stdout == first.stdout and proc.returncode == first.returncode
             warm.append(seconds)
-        sizes = {p.name: p.stat().st_size for p in Path(home, ".cache", "vllm-mla-fixes", "wheels").iterdir()}
+        sizes = {
+            p.name: p.stat().st_size
+            for p in Path(home, ".cache", "vllm-mla-fixes", "wheels").iterdir()
+        }
     lines = [
         f"# vllm-mla-fixes {' '.join(COMMAND)}",
         f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} (other work running), python benchmarks/release_review.py",
-        "# wheels downloaded cold: " + ", ".join(f"{n} ({s / 2**20:.0f} MiB)" for n, s in sorted(sizes.items())),
+        "# wheels downloaded cold: "
+        + ", ".join(f"{n} ({s / 2**20:.0f} MiB)" for n, s in sorted(sizes.items())),
         f"# cold (empty wheel cache): {cold:.1f} s",
         f"# warm (cached wheels, sha256 re-checked): median {statistics.median(warm):.1f} s "
         f"({', '.join(f'{w:.1f}' for w in warm)})",

@@ -5,6 +5,7 @@ Each nox session installs one real vLLM release and runs
 runs only in the sessions of the releases it names; unmarked tests run in every
 session.  Without ``--vllm-release`` the installed release is used.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
@@ -29,8 +30,11 @@ if _no_gpu():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--vllm-release", default=None,
-                     help="the vLLM release installed in this environment (checked)")
+    parser.addoption(
+        "--vllm-release",
+        default=None,
+        help="the vLLM release installed in this environment (checked)",
+    )
 
 
 def _installed_vllm() -> str | None:
@@ -45,7 +49,8 @@ def pytest_configure(config):
     installed = _installed_vllm()
     if wanted is not None and wanted != installed:
         raise pytest.UsageError(
-            f"--vllm-release {wanted} given, but this environment has vLLM {installed}")
+            f"--vllm-release {wanted} given, but this environment has vLLM {installed}"
+        )
     config.vllm_release = wanted or installed
 
 

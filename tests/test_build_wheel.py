@@ -1,4 +1,5 @@
 """``vllm-mla-fixes build-wheel`` on the real vLLM 0.25.1 wheel (issue 6)."""
+
 from __future__ import annotations
 
 import csv
@@ -58,13 +59,24 @@ def test_upstream_files_are_byte_identical_and_record_is_correct(built):
     upstream_files = {p: v for p, v in before.items() if ".dist-info/" not in p}
     assert upstream_files and all(after.get(p) == v for p, v in upstream_files.items())
     added = {p for p in after if p.startswith("vllm_mla_fixes/")}
-    assert "vllm_mla_fixes/__init__.py" in added and "vllm_mla_fixes/fixes/fp8_ds_mla_reshape.py" in added
+    assert (
+        "vllm_mla_fixes/__init__.py" in added
+        and "vllm_mla_fixes/fixes/fp8_ds_mla_reshape.py" in added
+    )
     with zipfile.ZipFile(patched) as z:  # RECORD matches the stored bytes of what we changed/added
-        for path in [*added, *(p for p in after if ".dist-info/" in p and not p.endswith("RECORD"))]:
+        for path in [
+            *added,
+            *(p for p in after if ".dist-info/" in p and not p.endswith("RECORD")),
+        ]:
             digest, size = after[path]
             data = z.read(path)
-            expected = "sha256=" + __import__("base64").urlsafe_b64encode(
-                hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            expected = (
+                "sha256="
+                + __import__("base64")
+                .urlsafe_b64encode(hashlib.sha256(data).digest())
+                .rstrip(b"=")
+                .decode()
+            )
             assert (digest, size) == (expected, str(len(data))), path
 
 
@@ -73,19 +85,45 @@ def test_patched_wheel_installs_and_applies_the_025_fixes(built, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run(["uv", "pip", "install", "-q", "--python", str(python), str(patched),
-                    "-c", str(ROOT / "envs" / "vllm-0.25.1.txt")], check=True)
+    subprocess.run(
+        [
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            str(python),
+            str(patched),
+            "-c",
+            str(ROOT / "envs" / "vllm-0.25.1.txt"),
+        ],
+        check=True,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
-    out = subprocess.run([str(venv / "bin" / "vllm-mla-fixes"), "status", "--json"], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout
-    report = json.loads(out[out.index("{"):])
+    out = subprocess.run(
+        [str(venv / "bin" / "vllm-mla-fixes"), "status", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    report = json.loads(out[out.index("{") :])
     assert report["vllm"] == "0.25.1"  # vllm.__version__ is upstream's
     states = {f["name"]: f["state"] for f in report["fixes"]}
     assert states["fp8-ds-mla-reshape"] == "applied"
     where = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m, vllm_mla_fixes; "
-                            "print(m.version('vllm'), vllm_mla_fixes.__file__)"],
-        cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+        [
+            str(python),
+            "-c",
+            "import importlib.metadata as m, vllm_mla_fixes; "
+            "print(m.version('vllm'), vllm_mla_fixes.__file__)",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert where[0] == "0.25.1+mlafixes.3"
     assert where[1].startswith(str(venv))  # the copy inside the patched wheel, not this checkout
 
@@ -100,16 +138,25 @@ def test_download_refuses_a_hash_mismatch(tmp_path, built):
     served = tmp_path / "served"
     (served / "vllm").mkdir(parents=True)
     (served / upstream.name).write_bytes(b"not the wheel the index vouches for")
-    page = {"files": [{"filename": upstream.name, "url": f"../{upstream.name}",
-                       "hashes": {"sha256": "0" * 64}}]}
+    page = {
+        "files": [
+            {
+                "filename": upstream.name,
+                "url": f"../{upstream.name}",
+                "hashes": {"sha256": "0" * 64},
+            }
+        ]
+    }
     (served / "vllm" / "index.html").write_text(json.dumps(page))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(_Index, directory=str(served)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_Index, directory=str(served))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(wheel_builder.WheelBuildError, match="sha256 mismatch"):
-            wheel_builder.download_verified("0.25.1", f"http://127.0.0.1:{server.server_port}",
-                                            cache=tmp_path / "cache")
+            wheel_builder.download_verified(
+                "0.25.1", f"http://127.0.0.1:{server.server_port}", cache=tmp_path / "cache"
+            )
     finally:
         server.shutdown()
     assert not any((tmp_path / "cache").glob("*.whl"))

@@ -7,6 +7,7 @@ as constraints, so uv hard-links the versions it already has), then the
 command doctor prints when vllm-mla-fixes is missing (``pip install
 <checkout>``), run with that environment's pip.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,11 @@ pytestmark = pytest.mark.vllm_release("0.25.1", "0.32.0")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES", "VLLM_LOGGING_STREAM", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES", "VLLM_LOGGING_STREAM", "PYTHONPATH")
+    }
     env.update(CUDA_VISIBLE_DEVICES="", **extra)
     return env
 
@@ -37,8 +41,22 @@ def user_env(request, tmp_path_factory) -> Path:
     subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
     python = str(venv / "bin" / "python")
     # pip for the remedy below; not `uv venv --seed`, which adds setuptools and wheel on Python 3.11
-    subprocess.run(["uv", "pip", "install", "-q", "--python", python, f"vllm=={release}", "pip",
-                    "-c", str(ROOT / "envs" / f"vllm-{release}.txt")], check=True, timeout=1200)
+    subprocess.run(
+        [
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            python,
+            f"vllm=={release}",
+            "pip",
+            "-c",
+            str(ROOT / "envs" / f"vllm-{release}.txt"),
+        ],
+        check=True,
+        timeout=1200,
+    )
 
     # Before the package is installed, doctor run from the checkout's sources says
     # how to install it.  (A link to the package alone: the checkout's
@@ -46,28 +64,53 @@ def user_env(request, tmp_path_factory) -> Path:
     sources = venv.parent / "sources"
     sources.mkdir()
     (sources / "vllm_mla_fixes").symlink_to(ROOT / "vllm_mla_fixes")
-    proc = subprocess.run([python, "-m", "vllm_mla_fixes", "doctor", "--json"], cwd=venv.parent,
-                          env=_env(PYTHONPATH=str(sources)), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [python, "-m", "vllm_mla_fixes", "doctor", "--json"],
+        cwd=venv.parent,
+        env=_env(PYTHONPATH=str(sources)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(proc.stdout)
     assert report["environment"]["packages"]["vllm-mla-fixes"] is None
-    advice = {f["advice"].split(";")[0] for f in report["findings"]  # fa4 appends its workarounds
-              if "not installed where vLLM runs" in f["message"]}
+    advice = {
+        f["advice"].split(";")[0]
+        for f in report["findings"]  # fa4 appends its workarounds
+        if "not installed where vLLM runs" in f["message"]
+    }
     assert advice == {f"pip install {shlex.quote(str(ROOT))}"}, report["findings"]
     command = shlex.split(advice.pop())
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *command[2:]], check=True, timeout=600)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", *command[2:]], check=True, timeout=600
+    )
     return venv
 
 
 def cli(venv: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(venv / "bin" / "vllm-mla-fixes"), *args], env=_env(**env), cwd=venv.parent,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [str(venv / "bin" / "vllm-mla-fixes"), *args],
+        env=_env(**env),
+        cwd=venv.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_environment_is_the_users_not_the_test_lock(user_env):
-    proc = subprocess.run([str(user_env / "bin" / "python"), "-c",
-                           "import importlib.util as u, vllm_mla_fixes; "
-                           "print(u.find_spec('wheel') is None, vllm_mla_fixes.__file__)"],
-                          capture_output=True, text=True, check=True, cwd=user_env.parent)
+    proc = subprocess.run(
+        [
+            str(user_env / "bin" / "python"),
+            "-c",
+            "import importlib.util as u, vllm_mla_fixes; "
+            "print(u.find_spec('wheel') is None, vllm_mla_fixes.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=user_env.parent,
+    )
     no_wheel, location = proc.stdout.split()
     assert no_wheel == "True"  # the package `wheel` is absent, as in a uv-made environment
     assert location.startswith(str(user_env))  # the installed copy, not this checkout
@@ -92,12 +135,16 @@ def test_status_json_stdout_is_exactly_the_document(user_env, request, logging_s
 
 def test_status_json_of_disabled_fixes(user_env):
     report = json.loads(cli(user_env, "status", "--json", VLLM_MLA_FIXES="none").stdout)
-    assert {(f["state"], f["reason"]) for f in report["fixes"]} == {("disabled", "not selected by VLLM_MLA_FIXES")}
+    assert {(f["state"], f["reason"]) for f in report["fixes"]} == {
+        ("disabled", "not selected by VLLM_MLA_FIXES")
+    }
 
 
 def test_doctor_json_stdout_is_exactly_the_document(user_env, request):
     model = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"
-    proc = cli(user_env, "doctor", "--json", "--", "vllm", "serve", str(model), "--kv-cache-dtype", "fp8")
+    proc = cli(
+        user_env, "doctor", "--json", "--", "vllm", "serve", str(model), "--kv-cache-dtype", "fp8"
+    )
     report = json.loads(proc.stdout)
     assert report["environment"]["packages"]["vllm"] == request.config.vllm_release
     assert report["environment"]["packages"]["vllm-mla-fixes"] == "0.1.0"
@@ -112,12 +159,28 @@ def test_doctor_human_report(user_env):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("args, env, says, code", [
-    (["status"], {"VLLM_MLA_FIXES": "fp8,bogus"}, "names unknown fix(es): bogus", 2),
-    (["doctor", "--", "serve", "m", "--block-size", "sixty-four"], {}, "cannot parse the serve arguments", 2),
-    (["build-wheel", "--vllm-wheel", "/nonexistent/vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl"], {},
-     "no such wheel", 1),
-])
+@pytest.mark.parametrize(
+    "args, env, says, code",
+    [
+        (["status"], {"VLLM_MLA_FIXES": "fp8,bogus"}, "names unknown fix(es): bogus", 2),
+        (
+            ["doctor", "--", "serve", "m", "--block-size", "sixty-four"],
+            {},
+            "cannot parse the serve arguments",
+            2,
+        ),
+        (
+            [
+                "build-wheel",
+                "--vllm-wheel",
+                "/nonexistent/vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl",
+            ],
+            {},
+            "no such wheel",
+            1,
+        ),
+    ],
+)
 def test_user_errors_get_one_line_not_a_traceback(user_env, args, env, says, code):
     proc = cli(user_env, *args, **env)
     assert proc.returncode == code
@@ -128,16 +191,22 @@ def test_user_errors_get_one_line_not_a_traceback(user_env, args, env, says, cod
 def test_build_wheel_bad_inputs_in_the_users_environment(user_env, tmp_path):
     misnamed = tmp_path / "vllm.whl"
     misnamed.write_bytes(b"")
-    proc = cli(user_env, "build-wheel", "--vllm-wheel", str(misnamed), "--out", str(tmp_path / "out"))
+    proc = cli(
+        user_env, "build-wheel", "--vllm-wheel", str(misnamed), "--out", str(tmp_path / "out")
+    )
     assert proc.returncode == 1 and "is not a wheel file name" in proc.stdout
     not_a_wheel = tmp_path / "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl"
     not_a_wheel.write_bytes(b"not a zip")
-    proc = cli(user_env, "build-wheel", "--vllm-wheel", str(not_a_wheel), "--out", str(tmp_path / "out"))
+    proc = cli(
+        user_env, "build-wheel", "--vllm-wheel", str(not_a_wheel), "--out", str(tmp_path / "out")
+    )
     assert proc.returncode == 1 and "is not a valid wheel (zip) file" in proc.stdout
     assert not list((tmp_path / "out").glob("*.whl"))  # no half-written wheel left
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
-    proc = cli(user_env, "build-wheel", "--vllm-wheel", str(not_a_wheel), "--out", str(blocked / "out"))
+    proc = cli(
+        user_env, "build-wheel", "--vllm-wheel", str(not_a_wheel), "--out", str(blocked / "out")
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     assert "build-wheel" in proc.stderr
 

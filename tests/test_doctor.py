@@ -2,6 +2,7 @@
 
 Every command doctor prints as a remedy is run here, or checked by the
 installed release's own code: see the ``test_remedy_*`` tests."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,32 @@ import pytest
 from vllm_mla_fixes.reproductions.fp8_ds_mla import TINY_GLM_DSA
 
 ROOT = Path(__file__).resolve().parent.parent
-GLM_LINE = ["vllm", "serve", str(TINY_GLM_DSA.parent), "--kv-cache-dtype", "fp8",
-            "--attention-backend", "FLASHMLA_SPARSE", "--block-size", "64", "--max-num-seqs", "16"]
+GLM_LINE = [
+    "vllm",
+    "serve",
+    str(TINY_GLM_DSA.parent),
+    "--kv-cache-dtype",
+    "fp8",
+    "--attention-backend",
+    "FLASHMLA_SPARSE",
+    "--block-size",
+    "64",
+    "--max-num-seqs",
+    "16",
+]
 
 
 def doctor(*args: str, python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
     full_env.update(CUDA_VISIBLE_DEVICES="", **env)
-    return subprocess.run([python, "-m", "vllm_mla_fixes", "doctor", *args], env=full_env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [python, "-m", "vllm_mla_fixes", "doctor", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def _findings(proc) -> list[dict]:
@@ -40,9 +58,12 @@ def test_glm_line_on_025_is_covered_and_enforce_eager_is_called_out():
     assert "shape '[32, 64, 576]' is invalid for input of size 1343488" in messages
     assert "--enforce-eager does not avoid this crash" in messages
     assert "not a factor" in messages
-    assert findings[-1] == {"level": "ok", "topic": "fp8-ds-mla-reshape",
-                            "message": "the fix is applied in this environment",
-                            "advice": "run the same serve line"}
+    assert findings[-1] == {
+        "level": "ok",
+        "topic": "fp8-ds-mla-reshape",
+        "message": "the fix is applied in this environment",
+        "advice": "run the same serve line",
+    }
 
 
 @pytest.mark.vllm_release("0.25.1")
@@ -53,10 +74,14 @@ def test_glm_line_without_the_plugin_is_an_error_with_the_way_out():
     remedy = "export VLLM_PLUGINS=lora_filesystem_resolver,mla_fixes"
     assert remedy in proc.stdout
     # The remedy works: with that setting vLLM's loader applies the fix.
-    status = subprocess.run([sys.executable, "-m", "vllm_mla_fixes", "status", "--json"],
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                 "VLLM_PLUGINS": remedy.split("=", 1)[1]},
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    status = subprocess.run(
+        [sys.executable, "-m", "vllm_mla_fixes", "status", "--json"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "VLLM_PLUGINS": remedy.split("=", 1)[1]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     states = {f["name"]: f["state"] for f in json.loads(status.stdout)["fixes"]}
     assert states["fp8-ds-mla-reshape"] == "applied"
 
@@ -66,7 +91,10 @@ def test_glm_line_on_fixed_release_needs_nothing():
     proc = doctor("--json", "--", *GLM_LINE)
     assert proc.returncode == 0
     (finding,) = [f for f in _findings(proc) if f["topic"] == "fp8-ds-mla-reshape"]
-    assert finding["level"] == "ok" and "not needed: fixed upstream in vLLM 0.26.0" in finding["message"]
+    assert (
+        finding["level"] == "ok"
+        and "not needed: fixed upstream in vLLM 0.26.0" in finding["message"]
+    )
 
 
 @pytest.mark.vllm_release("0.25.1")
@@ -77,15 +105,23 @@ def test_environment_report_lists_the_checklist():
     assert env["packages"]["nvidia-cutlass-dsl"] == "4.5.2"
     for key in ("torch", "flashinfer-python", "quack-kernels", "torchaudio"):
         assert key in env["packages"]
-    assert {"gpu", "capability", "torch_cuda", "vllm_plugins", "mla_fixes", "fix_states"} <= set(env)
+    assert {"gpu", "capability", "torch_cuda", "vllm_plugins", "mla_fixes", "fix_states"} <= set(
+        env
+    )
 
 
 @pytest.mark.vllm_release("0.25.1")
-@pytest.mark.parametrize("bad, says", [
-    (["serve", "m", "--block-size", "sixty-four"], "cannot parse the serve arguments"),
-    (["serve", "m", "--kernel-config", "{enable_cutedsl_warmup: false"], "--kernel-config is not valid JSON"),
-    (["serve", "m", "--attention-config", "[1]"], "--attention-config must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (["serve", "m", "--block-size", "sixty-four"], "cannot parse the serve arguments"),
+        (
+            ["serve", "m", "--kernel-config", "{enable_cutedsl_warmup: false"],
+            "--kernel-config is not valid JSON",
+        ),
+        (["serve", "m", "--attention-config", "[1]"], "--attention-config must be a JSON object"),
+    ],
+)
 def test_bad_serve_line_gets_one_clear_line(bad, says):
     proc = doctor("--", *bad)
     assert proc.returncode == 2
@@ -96,8 +132,21 @@ def test_bad_serve_line_gets_one_clear_line(bad, says):
 def test_without_vllm_installed_doctor_says_so(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
-    subprocess.run(["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
-                    "packaging==25.0", "--no-deps", "-e", str(ROOT)], check=True)
+    subprocess.run(
+        [
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            str(venv / "bin" / "python"),
+            "packaging==25.0",
+            "--no-deps",
+            "-e",
+            str(ROOT),
+        ],
+        check=True,
+    )
     proc = doctor("--", *GLM_LINE, python=str(venv / "bin" / "python"))
     assert proc.returncode == 1
     assert "vLLM is not installed in this environment" in proc.stdout
@@ -109,9 +158,22 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO
 
     model = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
-    proc = doctor("--json", "--", "vllm", "serve", str(model), "--attention-backend",
-                  "FLASHINFER_MLA_SPARSE_DSV41", "--kv-cache-dtype", "fp8", "--block-size", "128",
-                  "--attention-config.indexer_kv_dtype=mxfp4", "--moe-backend", "triton")
+    proc = doctor(
+        "--json",
+        "--",
+        "vllm",
+        "serve",
+        str(model),
+        "--attention-backend",
+        "FLASHINFER_MLA_SPARSE_DSV41",
+        "--kv-cache-dtype",
+        "fp8",
+        "--block-size",
+        "128",
+        "--attention-config.indexer_kv_dtype=mxfp4",
+        "--moe-backend",
+        "triton",
+    )
     findings = [f for f in _findings(proc) if f["topic"] == INFO.name]
     text = " | ".join(f["message"] for f in findings)
     assert "32-token sliding-window cache of a SWA-only layer (not a ratio-2 page" in text
@@ -121,8 +183,9 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     assert proc.returncode == 1  # mxfp4 and triton block this line on SM120
     # it points to the self-test and the smoke check, the two commands tests run
     (check,) = [f for f in findings if f["message"].startswith("prove the fixed KV layout")]
-    assert check["advice"] == ("vllm-mla-fixes selftest; then "
-                               "vllm-mla-fixes smoke http://<host>:<port>")
+    assert check["advice"] == (
+        "vllm-mla-fixes selftest; then vllm-mla-fixes smoke http://<host>:<port>"
+    )
 
 
 # -- every remedy doctor prints is run here, or checked by the release's own code ------
@@ -132,8 +195,10 @@ def _scratch_venv(path: Path, *requirements: str) -> Path:
     """A virtual environment with pip (doctor's remedies say `pip ...`)."""
     subprocess.run(["uv", "venv", "-q", "--seed", "-p", sys.executable, str(path)], check=True)
     if requirements:
-        subprocess.run(["uv", "pip", "install", "-q", "--python", str(path / "bin" / "python"),
-                        *requirements], check=True)
+        subprocess.run(
+            ["uv", "pip", "install", "-q", "--python", str(path / "bin" / "python"), *requirements],
+            check=True,
+        )
     return path
 
 
@@ -152,17 +217,45 @@ def test_remedy_cuda_python_pair_repairs_the_clash(tmp_path):
     environment, and repaired by the command doctor prints."""
     venv = _scratch_venv(tmp_path / "venv", "cuda-bindings==13.5.0", "packaging==25.0")
     python = str(venv / "bin" / "python")
-    subprocess.run(["uv", "pip", "install", "-q", "--python", python, "--no-deps", "--reinstall",
-                    "cuda-python==12.6.2.post1"], check=True)  # written last: its files win
-    has_library_type = [python, "-c", "import cuda.bindings.runtime as r; print(hasattr(r, 'cudaLibrary_t'))"]
-    assert subprocess.run(has_library_type, capture_output=True, text=True, check=True).stdout.strip() == "False"
+    subprocess.run(
+        [
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            python,
+            "--no-deps",
+            "--reinstall",
+            "cuda-python==12.6.2.post1",
+        ],
+        check=True,
+    )  # written last: its files win
+    has_library_type = [
+        python,
+        "-c",
+        "import cuda.bindings.runtime as r; print(hasattr(r, 'cudaLibrary_t'))",
+    ]
+    assert (
+        subprocess.run(has_library_type, capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
     proc = doctor("--json", python=python, PYTHONPATH=str(ROOT))
-    (clash,) = [f for f in _findings(proc) if "cuda-python 12.6.2.post1 beside cuda-bindings 13.5.0" in f["message"]]
-    assert clash["advice"] == ("pip uninstall -y cuda-python cuda-bindings && "
-                               "pip install cuda-python==13.4.4 cuda-bindings==13.4.4")
+    (clash,) = [
+        f
+        for f in _findings(proc)
+        if "cuda-python 12.6.2.post1 beside cuda-bindings 13.5.0" in f["message"]
+    ]
+    assert clash["advice"] == (
+        "pip uninstall -y cuda-python cuda-bindings && "
+        "pip install cuda-python==13.4.4 cuda-bindings==13.4.4"
+    )
     _run_remedy(venv, clash["advice"])
-    assert subprocess.run(has_library_type, capture_output=True, text=True, check=True).stdout.strip() == "True"
+    assert (
+        subprocess.run(has_library_type, capture_output=True, text=True, check=True).stdout.strip()
+        == "True"
+    )
 
 
 @pytest.mark.parametrize("release", ["0.32.0", "0.33.0"])
@@ -180,13 +273,23 @@ def test_remedy_torchaudio_uninstall(tmp_path):
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
     from vllm_mla_fixes.report import Environment
 
-    env = Environment(packages={"vllm": "0.32.0", "torch": "2.13.0", "torchaudio": "2.11.0"}, gpu=None,
-                      capability=None, torch_cuda=None, vllm_plugins=None, mla_fixes=None, fix_states={})
+    env = Environment(
+        packages={"vllm": "0.32.0", "torch": "2.13.0", "torchaudio": "2.11.0"},
+        gpu=None,
+        capability=None,
+        torch_cuda=None,
+        vllm_plugins=None,
+        mla_fixes=None,
+        fix_states={},
+    )
     (finding,) = [f for f in dsv41.diagnose(env, None) if f.message.startswith("torchaudio 2.11.0")]
     venv = _scratch_venv(tmp_path / "venv", "--no-deps", "torchaudio==2.11.0")
     _run_remedy(venv, finding.advice)
-    left = subprocess.run(["uv", "pip", "show", "--python", str(venv / "bin" / "python"), "torchaudio"],
-                          capture_output=True, text=True)
+    left = subprocess.run(
+        ["uv", "pip", "show", "--python", str(venv / "bin" / "python"), "torchaudio"],
+        capture_output=True,
+        text=True,
+    )
     assert left.returncode != 0 and "not found" in left.stderr
 
 
@@ -225,14 +328,25 @@ def test_remedy_dsv41_flags_are_valid_serve_flags():
 def test_every_pip_remedy_is_one_of_the_checked_ones():
     """A new `pip ...` remedy must come with a test above: the list of the
     checked ones is closed."""
-    sources = [ROOT / "vllm_mla_fixes" / "doctor.py", ROOT / "vllm_mla_fixes" / "report.py",
-               *sorted((ROOT / "vllm_mla_fixes" / "fixes").glob("*.py"))]
-    remedies = sorted({line.split('"', 2)[1].split("{")[0].strip()
-                       for path in sources for line in path.read_text().splitlines()
-                       if '"pip ' in line or "f\"pip " in line})
-    assert remedies == ["pip install",  # report.install_advice: the cli contract test runs it
-                        "pip install cuda-python==", "pip uninstall -y cuda-python cuda-bindings &&",
-                        "pip uninstall -y torchaudio"], remedies
+    sources = [
+        ROOT / "vllm_mla_fixes" / "doctor.py",
+        ROOT / "vllm_mla_fixes" / "report.py",
+        *sorted((ROOT / "vllm_mla_fixes" / "fixes").glob("*.py")),
+    ]
+    remedies = sorted(
+        {
+            line.split('"', 2)[1].split("{")[0].strip()
+            for path in sources
+            for line in path.read_text().splitlines()
+            if '"pip ' in line or 'f"pip ' in line
+        }
+    )
+    assert remedies == [
+        "pip install",  # report.install_advice: the cli contract test runs it
+        "pip install cuda-python==",
+        "pip uninstall -y cuda-python cuda-bindings &&",
+        "pip uninstall -y torchaudio",
+    ], remedies
 
 
 @pytest.mark.vllm_release("0.32.0", "0.33.0")
@@ -241,9 +355,15 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
     from vllm_mla_fixes.report import Environment
 
-    env = Environment(packages={"vllm": "0.32.0"}, gpu="RTX PRO 6000", capability=(12, 0), torch_cuda="13.0",
-                      vllm_plugins=None, mla_fixes=None,
-                      fix_states={dsv41.INFO.name: {"state": "applied", "reason": "vLLM 0.32.0"}})
+    env = Environment(
+        packages={"vllm": "0.32.0"},
+        gpu="RTX PRO 6000",
+        capability=(12, 0),
+        torch_cuda="13.0",
+        vllm_plugins=None,
+        mla_fixes=None,
+        fix_states={dsv41.INFO.name: {"state": "applied", "reason": "vLLM 0.32.0"}},
+    )
     model = str(ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41")
 
     def geometry_line(*flags: str) -> str:
@@ -253,8 +373,11 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
 
     assert f"the {dsv41.SPLIT} geometry" in geometry_line("--block-size", "64")
     assert f"the {dsv41.PER_RATIO} geometry (speculative decoding" in geometry_line(
-        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
-    assert f"the {dsv41.PER_RATIO} geometry (decode_context_parallel_size is 2" in geometry_line("-dcp", "2")
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'
+    )
+    assert f"the {dsv41.PER_RATIO} geometry (decode_context_parallel_size is 2" in geometry_line(
+        "-dcp", "2"
+    )
 
 
 def test_each_fix_diagnoses_itself_and_doctor_names_no_fix():
@@ -265,9 +388,20 @@ def test_each_fix_diagnoses_itself_and_doctor_names_no_fix():
     doctor_source = (ROOT / "vllm_mla_fixes" / "doctor.py").read_text()
     for fix in ALL_FIXES:
         assert callable(fix.diagnose) and callable(fix.probe) and callable(fix.apply)
-        assert fix.INFO.name not in doctor_source and fix.__name__.rsplit(".", 1)[1] not in doctor_source
+        assert (
+            fix.INFO.name not in doctor_source
+            and fix.__name__.rsplit(".", 1)[1] not in doctor_source
+        )
     imported = subprocess.run(
-        [sys.executable, "-c", "import sys, vllm_mla_fixes.report, vllm_mla_fixes.fixes; "
-                               "print(sorted(m for m in sys.modules if m.startswith('vllm_mla_fixes')))"],
-        capture_output=True, text=True, check=True, cwd=ROOT).stdout
+        [
+            sys.executable,
+            "-c",
+            "import sys, vllm_mla_fixes.report, vllm_mla_fixes.fixes; "
+            "print(sorted(m for m in sys.modules if m.startswith('vllm_mla_fixes')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     assert "vllm_mla_fixes.doctor" not in imported and "vllm_mla_fixes.cli" not in imported

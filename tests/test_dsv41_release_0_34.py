@@ -8,6 +8,7 @@ attention groups -> metadata builders -> allocation and binding) on an SM120
 platform stand-in (only the device-capability query is stood in), then the fix
 on top.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,9 +22,14 @@ pytestmark = pytest.mark.vllm_release("0.34.0")
 
 # The three reviewed definitions 0.34.0 changed, with their new fingerprints.
 CHANGED_IN_0_34 = {
-    (fix.FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes"):
-        "544fde42b12dfc4a",
-    (fix.INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"): "b0712154722b009f",
+    (
+        fix.FLASHINFER_MODULE,
+        "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes",
+    ): "544fde42b12dfc4a",
+    (
+        fix.INDEXER_MODULE,
+        "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes",
+    ): "b0712154722b009f",
     (fix.WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): "70806dab17e278c2",
 }
 
@@ -43,18 +49,23 @@ def _pages(geometry) -> dict[tuple[str, int], set[int]]:
 
 # ---------------------------------------------------------------- the review
 
+
 def test_the_three_changed_definitions_are_the_reviewed_0_34_code():
     for (module, qualname), fingerprint in CHANGED_IN_0_34.items():
         assert patching.definition_fingerprint(module, qualname) == fingerprint
         assert fix.REVIEWED[module, qualname][fingerprint] == "0.34.0"
     # The wrapper passes the binding call through: 0.34.0 binds with exactly these two arguments.
     source = patching.definition_source(fix.WORKER_UTILS_MODULE, "bind_kv_cache_to_layers")
-    assert "def bind_kv_cache_to_layers(\n    kv_caches: dict[str, torch.Tensor],\n" \
-           "    forward_context: dict[str, Attention],\n) -> None:" in source
+    assert (
+        "def bind_kv_cache_to_layers(\n    kv_caches: dict[str, torch.Tensor],\n"
+        "    forward_context: dict[str, Attention],\n) -> None:" in source
+    )
 
 
 def test_backends_take_64_token_kernel_blocks_on_sm12x_only(sm120):
-    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import DeepseekV4FlashInferMLASparseBackend
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferMLASparseBackend,
+    )
     from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 
@@ -68,19 +79,33 @@ def test_backends_take_64_token_kernel_blocks_on_sm12x_only(sm120):
 
 # ------------------------------------------------------------------ upstream
 
+
 def test_block_size_64_starts_with_32_state_ratio2_pages_and_32_token_swa_pages(sm120):
     from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
 
     geometry, error = repro.start_upstream(64)
     assert error is None
-    assert _pages(geometry) == {("swa", 0): {32}, ("compressed", 1): {64}, ("compressed", 2): {32},
-                                ("indexer", 1): {64}, ("indexer", 2): {32}}
-    assert 32 not in get_paged_mqa_page_sizes()  # the ratio-2 indexer pages are not a size SM120 takes
+    assert _pages(geometry) == {
+        ("swa", 0): {32},
+        ("compressed", 1): {64},
+        ("compressed", 2): {32},
+        ("indexer", 1): {64},
+        ("indexer", 2): {32},
+    }
+    assert (
+        32 not in get_paged_mqa_page_sizes()
+    )  # the ratio-2 indexer pages are not a size SM120 takes
     with pytest.raises(fix.PageGeometryError) as excinfo:
         fix.check_page_geometry(fix.bound_pages(geometry.forward_context))
     message = str(excinfo.value)
-    assert "model.layers.2.attn.indexer.k_cache: indexer K cache, compress ratio 2, 32-state pages" in message
-    assert "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages" in message
+    assert (
+        "model.layers.2.attn.indexer.k_cache: indexer K cache, compress ratio 2, 32-state pages"
+        in message
+    )
+    assert (
+        "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages"
+        in message
+    )
 
 
 def test_block_size_128_fails_at_start_up_splitting_packed_blocks(sm120):
@@ -90,12 +115,16 @@ def test_block_size_128_fails_at_start_up_splitting_packed_blocks(sm120):
     geometry, error = repro.start_upstream(128)
     assert geometry is None
     assert error == repro.SPLIT_ERROR
-    assert "needs 64-token kernel blocks, which packed 128-token KV cache blocks cannot be split into" in error
+    assert (
+        "needs 64-token kernel blocks, which packed 128-token KV cache blocks cannot be split into"
+        in error
+    )
     # The message's way out is a layout the DeepSeek-V4.1 indexer refuses.
     assert KVCacheLayout.LBNHC not in DeepseekV41IndexerBackend.supported_kv_cache_layouts()
 
 
 # ---------------------------------------------------------------------- fix
+
 
 def test_fix_is_applied_on_0_34_0():
     with repro.applied((12, 0)) as result:
@@ -112,10 +141,18 @@ def test_fix_starts_both_block_sizes_with_64_row_pages(sm120, block_size):
         pages = repro.flashinfer_pages(geometry)
     assert {page.rows for page in pages} == {fix.PAGE_ROWS}
     assert {(page.kind, page.compress_ratio) for page in pages} == {
-        ("swa", 0), ("compressed", 1), ("compressed", 2), ("indexer", 1), ("indexer", 2)}
+        ("swa", 0),
+        ("compressed", 1),
+        ("compressed", 2),
+        ("indexer", 1),
+        ("indexer", 2),
+    }
     assert len([page for page in pages if page.kind == "swa"]) == 40
     for page in pages:
         if page.kind != "indexer":
-            assert repro.sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed",
-                                              **repro.REPORT_CALL) is None, page
-
+            assert (
+                repro.sm120_decode_verdict(
+                    page.rows, has_extra=page.kind == "compressed", **repro.REPORT_CALL
+                )
+                is None
+            ), page

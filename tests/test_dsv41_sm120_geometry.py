@@ -12,6 +12,7 @@ translates the ratio-1 writer slots to the kernel-table formula, zeroes new
 blocks over exactly their pages, and beats upstream's capacity; the per-ratio
 fallback is chosen, and says why, where the split is not proven safe.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,10 @@ pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 # The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/test_dsv41_release_0_34.py).
 before_0_34 = pytest.mark.vllm_release("0.32.0", "0.33.0")
 
-REPORT_ERROR = ("SM120 sparse-MLA has no decode kernel for this shape: num_tokens=8, num_heads=8, "
-                "topk=128, d_qk=512, page_block_size=32, model_type=dsv4, extra_topk=0.")
+REPORT_ERROR = (
+    "SM120 sparse-MLA has no decode kernel for this shape: num_tokens=8, num_heads=8, "
+    "topk=128, d_qk=512, page_block_size=32, model_type=dsv4, extra_topk=0."
+)
 
 
 def _patched_targets():
@@ -41,11 +44,16 @@ def _patched_targets():
 
     return {
         "attention.get_kv_cache_spec": attention.DeepseekV4Attention.__dict__["get_kv_cache_spec"],
-        "indexer_cache.get_kv_cache_spec": attention.DeepseekV4IndexerCache.__dict__["get_kv_cache_spec"],
+        "indexer_cache.get_kv_cache_spec": attention.DeepseekV4IndexerCache.__dict__[
+            "get_kv_cache_spec"
+        ],
         "attention.DeepseekV4SWACache": attention.DeepseekV4SWACache,
         "flashinfer.sizes": flashinfer_sparse.DeepseekV4FlashInferMLASparseBackend.__dict__[
-            "get_supported_kernel_block_sizes"],
-        "indexer.sizes": indexer.DeepseekV41IndexerBackend.__dict__["get_supported_kernel_block_sizes"],
+            "get_supported_kernel_block_sizes"
+        ],
+        "indexer.sizes": indexer.DeepseekV41IndexerBackend.__dict__[
+            "get_supported_kernel_block_sizes"
+        ],
         "warmup": compressor_utils.CompressedSlotMappingKernel.__dict__["get_warmup_keys"],
         "bind": utils.bind_kv_cache_to_layers,
         "bind (attn_utils)": attn_utils.bind_kv_cache_to_layers,
@@ -62,6 +70,7 @@ def upstream_128():
 
 # ------------------------------------------------------------------ upstream
 
+
 @before_0_34
 def test_block_size_64_fails_no_common_block_size_for_both_backends():
     geometry = repro.plan_geometry(64)
@@ -75,8 +84,9 @@ def test_block_size_64_fails_no_common_block_size_for_both_backends():
     for group_id, groups in enumerate(geometry.attn_groups):
         for group in groups:
             try:
-                select_common_block_size(geometry.kernel_block_sizes[group_id], [group.backend],
-                                         [group.kv_cache_spec])
+                select_common_block_size(
+                    geometry.kernel_block_sizes[group_id], [group.backend], [group.kv_cache_spec]
+                )
             except ValueError as exc:
                 errors.add(str(exc))
     assert errors == {repro.BLOCK_SIZE_ERROR, repro.INDEXER_BLOCK_SIZE_ERROR}
@@ -86,9 +96,16 @@ def test_block_size_64_fails_no_common_block_size_for_both_backends():
 def test_block_size_128_starts_with_32_token_swa_and_128_state_ratio1_pages(upstream_128):
     assert upstream_128.kernel_block_sizes == [32, 32, 32, 32, 128, 8]
     repro.select_kernel_block_sizes(upstream_128)  # start-up passes
-    pages = {(page.kind, page.compress_ratio): page.rows for page in repro.flashinfer_pages(upstream_128)}
-    assert pages == {("swa", 0): 32, ("compressed", 2): 64, ("compressed", 1): 128,
-                     ("indexer", 2): 64, ("indexer", 1): 128}
+    pages = {
+        (page.kind, page.compress_ratio): page.rows for page in repro.flashinfer_pages(upstream_128)
+    }
+    assert pages == {
+        ("swa", 0): 32,
+        ("compressed", 2): 64,
+        ("compressed", 1): 128,
+        ("indexer", 2): 64,
+        ("indexer", 1): 128,
+    }
 
 
 @pytest.mark.vllm_release("0.32.0")
@@ -100,8 +117,10 @@ def test_flashinfer_070_planner_rejects_the_32_token_swa_page(upstream_128):
     assert page == 32
     error = repro.sm120_decode_verdict(page, has_extra=False, **repro.REPORT_CALL)
     assert error.startswith(REPORT_ERROR)
-    assert ("Mismatch: page_block_size=32 is unsupported; decode kernels are instantiated only "
-            "for page_block_size=64.") in error
+    assert (
+        "Mismatch: page_block_size=32 is unsupported; decode kernels are instantiated only "
+        "for page_block_size=64."
+    ) in error
     # The ratio-1 layer's primary page is the same SWA cache: it fails the same way.
     assert repro.sm120_decode_verdict(page, has_extra=True, **repro.REPORT_CALL) is not None
 
@@ -116,8 +135,11 @@ def test_flashinfer_072_takes_the_32_page_but_ratio1_indexer_pages_stay_wrong(up
     assert repro.flashinfer_version() == "0.7.2.post1"
     assert repro.sm120_decode_verdict(32, has_extra=False, **repro.REPORT_CALL) is None
     assert repro.sm120_paged_mqa_page_sizes() == (64,)
-    indexer_pages = {page.compress_ratio: page.rows
-                     for page in repro.flashinfer_pages(upstream_128) if page.kind == "indexer"}
+    indexer_pages = {
+        page.compress_ratio: page.rows
+        for page in repro.flashinfer_pages(upstream_128)
+        if page.kind == "indexer"
+    }
     assert indexer_pages == {1: 128, 2: 64}
 
 
@@ -126,14 +148,19 @@ def test_upstream_geometry_fails_the_self_check_with_a_clear_error(upstream_128)
     with pytest.raises(fix.PageGeometryError) as excinfo:
         fix.check_page_geometry(fix.bound_pages(upstream_128.forward_context))
     message = str(excinfo.value)
-    assert "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages" in message
+    assert (
+        "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages"
+        in message
+    )
     assert "model.layers.20.attn: compressed KV cache, compress ratio 1, 128-token pages" in message
-    assert ("model.layers.20.attn.indexer.k_cache: indexer K cache, compress ratio 1, "
-            "128-state pages") in message
+    assert (
+        "model.layers.20.attn.indexer.k_cache: indexer K cache, compress ratio 1, 128-state pages"
+    ) in message
     assert "model.layers.2.attn:" not in message  # ratio-2 pages already hold 64 states
 
 
 # ---------------------------------------------------------------------- fix
+
 
 def test_fix_applies_on_sm120_and_sm121_and_reverts_cleanly():
     before = _patched_targets()
@@ -157,8 +184,9 @@ def test_sm90_and_sm100_see_no_change(capability):
         after = repro.plan_geometry(128)
         assert after.specs == before.specs
         assert after.kernel_block_sizes == before.kernel_block_sizes
-        assert ([g.layer_names for g in after.kv_cache_config.kv_cache_groups]
-                == [g.layer_names for g in before.kv_cache_config.kv_cache_groups])
+        assert [g.layer_names for g in after.kv_cache_config.kv_cache_groups] == [
+            g.layer_names for g in before.kv_cache_config.kv_cache_groups
+        ]
 
 
 def test_plugin_on_this_cpu_host_changes_nothing(fresh_plugin):
@@ -177,8 +205,12 @@ def _assert_64_state_pages(geometry):
     assert len([p for p in pages if p.kind == "swa"]) == 40
     for page in pages:
         if page.kind != "indexer":
-            assert repro.sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed",
-                                              **repro.REPORT_CALL) is None, page
+            assert (
+                repro.sm120_decode_verdict(
+                    page.rows, has_extra=page.kind == "compressed", **repro.REPORT_CALL
+                )
+                is None
+            ), page
     assert all(p.rows in repro.sm120_paged_mqa_page_sizes() for p in pages if p.kind == "indexer")
 
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -197,10 +229,15 @@ def test_default_split_gives_every_page_64_states_and_splits_only_ratio_1(block_
             assert blocks[f"model.layers.{layer}.attn"] == 128
             assert blocks[f"model.layers.{layer}.attn.indexer.k_cache"] == 128
         assert blocks["model.layers.0.attn.swa_cache"] == 64
-        split = {name for name, size in chosen.items() if size != 128 and "SWA" not in name
-                 and "Compressor" not in name}
-        assert split == {"FLASHINFER_MLA_SPARSE_DSV41:model.layers.20.attn",
-                         "DEEPSEEK_V41_INDEXER:model.layers.20.attn.indexer.k_cache"}
+        split = {
+            name
+            for name, size in chosen.items()
+            if size != 128 and "SWA" not in name and "Compressor" not in name
+        }
+        assert split == {
+            "FLASHINFER_MLA_SPARSE_DSV41:model.layers.20.attn",
+            "DEEPSEEK_V41_INDEXER:model.layers.20.attn.indexer.k_cache",
+        }
         assert {chosen[name] for name in split} == {64}
         # One 230,400-B block: 3 ratio-2 sources + the ratio-1 pair = 5 units of 46,080 B.
         assert geometry.kv_cache_config.kv_cache_tensors[0].block_stride == 230400
@@ -214,14 +251,20 @@ def test_fallback_per_ratio_gives_every_page_64_states_without_splitting(block_s
         geometry = repro.plan_geometry(block_size)
         chosen = repro.select_kernel_block_sizes(geometry)
         # Manager blocks are never split: each group's kernel block is its block.
-        for group, kernel in zip(geometry.kv_cache_config.kv_cache_groups, geometry.kernel_block_sizes):
+        for group, kernel in zip(
+            geometry.kv_cache_config.kv_cache_groups, geometry.kernel_block_sizes
+        ):
             assert kernel == group.kv_cache_spec.block_size
         for groups in geometry.attn_groups:
             for group in groups:
-                assert chosen[f"{group.backend.get_name()}:{group.layer_names[0]}"] == \
-                    group.kv_cache_spec.block_size
+                assert (
+                    chosen[f"{group.backend.get_name()}:{group.layer_names[0]}"]
+                    == group.kv_cache_spec.block_size
+                )
         blocks = {name: spec.block_size for name, spec in geometry.specs.items()}
-        assert blocks["model.layers.20.attn"] == blocks["model.layers.20.attn.indexer.k_cache"] == 64
+        assert (
+            blocks["model.layers.20.attn"] == blocks["model.layers.20.attn.indexer.k_cache"] == 64
+        )
         assert blocks["model.layers.2.attn"] == blocks["model.layers.2.attn.indexer.k_cache"] == 128
         assert blocks["model.layers.0.attn.swa_cache"] == 64
         _assert_64_state_pages(geometry)
@@ -237,12 +280,17 @@ def test_split_binds_interleaved_ratio1_pages_that_tile_each_block():
         repro.select_kernel_block_sizes(geometry)
         manager = repro.allocate_and_bind(geometry)
         context = geometry.forward_context
-        packed = [name for name in geometry.specs
-                  if name.endswith(".attn") or name.endswith(".indexer.k_cache")]
+        packed = [
+            name
+            for name in geometry.specs
+            if name.endswith(".attn") or name.endswith(".indexer.k_cache")
+        ]
         block_stride = manager[packed[0]].stride(0)
         assert block_stride == 230400
-        compressed, indexer = context["model.layers.20.attn"].kv_cache, \
-            context["model.layers.20.attn.indexer.k_cache"].kv_cache
+        compressed, indexer = (
+            context["model.layers.20.attn"].kv_cache,
+            context["model.layers.20.attn.indexer.k_cache"].kv_cache,
+        )
         assert compressed.stride(0) == indexer.stride(0) == 46080
         assert indexer.storage_offset() - compressed.storage_offset() == 37440
         for block in range(geometry.kv_cache_config.num_blocks):
@@ -263,12 +311,27 @@ def test_split_binds_interleaved_ratio1_pages_that_tile_each_block():
             assert sum(end - start for start, end in ranges) == block_stride  # no gap
 
 
-@pytest.mark.parametrize("geometry, pages", [
-    (fix.SPLIT, {"model.layers.20.attn": 128 * 584, "model.layers.2.attn": 64 * 584,
-                 "model.layers.20.attn.indexer.k_cache": 128 * 132}),
-    (fix.PER_RATIO, {"model.layers.20.attn": 64 * 584, "model.layers.2.attn": 64 * 584,
-                     "model.layers.20.attn.indexer.k_cache": 64 * 132}),
-])
+@pytest.mark.parametrize(
+    "geometry, pages",
+    [
+        (
+            fix.SPLIT,
+            {
+                "model.layers.20.attn": 128 * 584,
+                "model.layers.2.attn": 64 * 584,
+                "model.layers.20.attn.indexer.k_cache": 128 * 132,
+            },
+        ),
+        (
+            fix.PER_RATIO,
+            {
+                "model.layers.20.attn": 64 * 584,
+                "model.layers.2.attn": 64 * 584,
+                "model.layers.20.attn.indexer.k_cache": 64 * 132,
+            },
+        ),
+    ],
+)
 def test_fixed_specs_recompute_their_page_padding(geometry, pages, monkeypatch):
     """A bare ``replace(spec, block_size=...)`` keeps the old page's padding
     whenever the new page needs none (72 x 584 B is 576-aligned); the fix
@@ -278,15 +341,23 @@ def test_fixed_specs_recompute_their_page_padding(geometry, pages, monkeypatch):
     upstream = repro.plan_geometry(128).specs["model.layers.20.attn"]
     assert upstream.page_size_bytes == 74880  # 128 x 584 B, 576-aligned
     assert dataclasses.replace(upstream, block_size=72).page_size_bytes == 74880  # stale
-    assert dataclasses.replace(upstream, block_size=72, page_size_padded=None).page_size_bytes == 72 * 584
+    assert (
+        dataclasses.replace(upstream, block_size=72, page_size_padded=None).page_size_bytes
+        == 72 * 584
+    )
     monkeypatch.setenv(fix.GEOMETRY_ENV, geometry)
     with repro.applied((12, 0)):
         fixed = repro.plan_geometry(64).specs
     for name, rows_bytes in pages.items():
         spec = fixed[name]
         assert spec.page_size_bytes == -(-rows_bytes // 576) * 576, name
-        fresh = MLAAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-                                    if f.init and f.name != "page_size_padded"})
+        fresh = MLAAttentionSpec(
+            **{
+                f.name: getattr(spec, f.name)
+                for f in dataclasses.fields(spec)
+                if f.init and f.name != "page_size_padded"
+            }
+        )
         assert fresh.page_size_bytes == spec.page_size_bytes
 
 
@@ -317,18 +388,25 @@ def test_compressor_warmup_covers_the_64_state_pages():
     """The compressed-slot-mapping kernel sees ``num_states`` (64) as its block
     size.  Upstream warms ``--block-size // ratio``: the same Triton
     specialisation for 64/128, a different one for e.g. 16."""
-    from vllm.v1.attention.backends.mla.compressor_utils import _COMPRESSED_SLOT_MAPPING_KERNEL as kernel
+    from vllm.v1.attention.backends.mla.compressor_utils import (
+        _COMPRESSED_SLOT_MAPPING_KERNEL as kernel,
+    )
 
     def config(block_size):
         vllm_config = repro.make_vllm_config(block_size)
-        vllm_config.model_config = SimpleNamespace(hf_text_config=SimpleNamespace(**repro.tiny_model()))
+        vllm_config.model_config = SimpleNamespace(
+            hf_text_config=SimpleNamespace(**repro.tiny_model())
+        )
         return vllm_config
 
     def runtime_key(vllm_config):
         parallel = vllm_config.parallel_config
-        return kernel.dispatch(compress_ratio=2, block_size=fix.PAGE_ROWS,
-                               dcp_world_size=parallel.decode_context_parallel_size,
-                               cp_interleave=parallel.cp_kv_cache_interleave_size)
+        return kernel.dispatch(
+            compress_ratio=2,
+            block_size=fix.PAGE_ROWS,
+            dcp_world_size=parallel.decode_context_parallel_size,
+            cp_interleave=parallel.cp_kv_cache_interleave_size,
+        )
 
     for block_size in (64, 128):
         assert runtime_key(config(block_size)) in kernel.get_warmup_keys(config(block_size))
@@ -346,7 +424,9 @@ def test_unreviewed_target_leaves_vllm_untouched(monkeypatch, tmp_path):
     monkeypatch.setitem(fix.REVIEWED, target, {"0000000000000000": "not this release"})
     result = run_fix(fix.for_capability((12, 0)), repro._installed_vllm())
     assert result.status.state is State.SKIPPED
-    assert "unexpected target" in result.status.reason and "get_kv_cache_spec" in result.status.reason
+    assert (
+        "unexpected target" in result.status.reason and "get_kv_cache_spec" in result.status.reason
+    )
     assert _patched_targets() == before
 
 
@@ -364,6 +444,7 @@ def test_capacity_is_measured_from_vllms_planner(monkeypatch):
 
 # ------------------------------------------------------------ geometry decision
 
+
 def _config(**changes):
     config = repro.make_vllm_config(128)
     for name, value in changes.items():
@@ -377,19 +458,26 @@ def test_geometry_decision_defaults_to_the_split_and_says_why():
     assert geometry == fix.SPLIT and reason.startswith("default on SM12x")
 
 
-@pytest.mark.parametrize("changes, why", [
-    (dict(speculative_config=SimpleNamespace(num_speculative_tokens=2)), "speculative decoding"),
-    ("kv_connector", "a KV connector is configured"),
-    ("dcp", "decode_context_parallel_size is 2"),
-    ("offload", "KV offloading is configured"),
-])
+@pytest.mark.parametrize(
+    "changes, why",
+    [
+        (
+            dict(speculative_config=SimpleNamespace(num_speculative_tokens=2)),
+            "speculative decoding",
+        ),
+        ("kv_connector", "a KV connector is configured"),
+        ("dcp", "decode_context_parallel_size is 2"),
+        ("offload", "KV offloading is configured"),
+    ],
+)
 def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why):
     from vllm.config import KVTransferConfig
 
     config = repro.make_vllm_config(128)
     if changes == "kv_connector":
-        config.kv_transfer_config = KVTransferConfig(kv_connector="OffloadingConnector",
-                                                     kv_role="kv_both")
+        config.kv_transfer_config = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both"
+        )
     elif changes == "dcp":
         object.__setattr__(config.parallel_config, "decode_context_parallel_size", 2)
     elif changes == "offload":
@@ -417,14 +505,18 @@ def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkey
     with per-ratio blocks, leaves the split's targets alone, and says why."""
     from vllm.v1.worker import utils
 
-    before = (utils.map_kv_caches_to_kernel_blocks,
-              utils.AttentionGroup.__dict__["_with_kernel_block_table"])
+    before = (
+        utils.map_kv_caches_to_kernel_blocks,
+        utils.AttentionGroup.__dict__["_with_kernel_block_table"],
+    )
     target = (fix.WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table")
     monkeypatch.setitem(fix.REVIEWED, target, {"0000000000000000": "not this release"})
     with repro.applied((12, 0)) as result:
         assert result.status.state is State.APPLIED
-        assert (utils.map_kv_caches_to_kernel_blocks,
-                utils.AttentionGroup.__dict__["_with_kernel_block_table"]) == before
+        assert (
+            utils.map_kv_caches_to_kernel_blocks,
+            utils.AttentionGroup.__dict__["_with_kernel_block_table"],
+        ) == before
         geometry = repro.plan_geometry(128)
         assert geometry.specs["model.layers.20.attn"].block_size == 64
         name, reason = fix.geometry_decision(geometry.vllm_config)
@@ -444,9 +536,11 @@ def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
         assert "geometry chosen when the model loads: interleaved-split by default" in entry.reason
         repro.plan_geometry(128)
         entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
-        assert entry.reason.endswith("geometry interleaved-split (default on SM12x: 128-token "
-                                     "blocks, ratio-1 compressed/indexer pages interleaved as "
-                                     "64-state kernel pages)")
+        assert entry.reason.endswith(
+            "geometry interleaved-split (default on SM12x: 128-token "
+            "blocks, ratio-1 compressed/indexer pages interleaved as "
+            "64-state kernel pages)"
+        )
     finally:
         fresh_plugin.revert_all()
 
@@ -495,26 +589,44 @@ def test_new_blocks_are_zeroed_over_exactly_the_pages_they_hold():
         repro.select_kernel_block_sizes(geometry)
         repro.allocate_and_bind(geometry)
         context = geometry.forward_context
-        zeroer = KVBlockZeroer(repro.CPU, [g for gs in geometry.attn_groups for g in gs],
-                               geometry.kernel_block_sizes, context,
-                               geometry.kv_cache_config.num_blocks)
+        zeroer = KVBlockZeroer(
+            repro.CPU,
+            [g for gs in geometry.attn_groups for g in gs],
+            geometry.kernel_block_sizes,
+            context,
+            geometry.kv_cache_config.num_blocks,
+        )
         addrs, strides, sizes = (t.tolist() for t in zeroer._meta[:3])
         base = context["model.layers.20.attn"].kv_cache.untyped_storage().data_ptr()
         block_stride = geometry.kv_cache_config.kv_cache_tensors[0].block_stride
         for block in (1, geometry.kv_cache_config.num_blocks - 1):
-            zeroed = sorted((a - base + block * s * 4, a - base + block * s * 4 + n * 4)
-                            for a, s, n in zip(addrs, strides, sizes))
-            assert zeroed[0][0] >= block * block_stride and zeroed[-1][1] <= (block + 1) * block_stride
-            for name in ("model.layers.20.attn", "model.layers.20.attn.indexer.k_cache",
-                         "model.layers.2.attn", "model.layers.0.attn.swa_cache"):
+            zeroed = sorted(
+                (a - base + block * s * 4, a - base + block * s * 4 + n * 4)
+                for a, s, n in zip(addrs, strides, sizes)
+            )
+            assert (
+                zeroed[0][0] >= block * block_stride and zeroed[-1][1] <= (block + 1) * block_stride
+            )
+            for name in (
+                "model.layers.20.attn",
+                "model.layers.20.attn.indexer.k_cache",
+                "model.layers.2.attn",
+                "model.layers.0.attn.swa_cache",
+            ):
                 view = context[name].kv_cache
                 spec = geometry.specs[name]
                 rows = view.shape[-2] * spec.tokens_per_state
                 page = view.shape[-2] * view.shape[-1]  # the rows' bytes (alignment padding aside)
                 per_block = spec.block_size // rows
                 for j in range(per_block):
-                    start = view.storage_offset() + (block * block_stride // view.stride(0) + j) * view.stride(0)
-                    assert any(a <= start and start + page <= b for a, b in zeroed), (name, block, j)
+                    start = view.storage_offset() + (
+                        block * block_stride // view.stride(0) + j
+                    ) * view.stride(0)
+                    assert any(a <= start and start + page <= b for a, b in zeroed), (
+                        name,
+                        block,
+                        j,
+                    )
 
 
 def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():
@@ -528,8 +640,12 @@ def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():
         geometry = repro.plan_geometry(128)
         repro.select_kernel_block_sizes(geometry)
         repro.allocate_and_bind(geometry)
-        group = next(g for gs in geometry.attn_groups for g in gs
-                     if g.layer_names == ["model.layers.20.attn"])
+        group = next(
+            g
+            for gs in geometry.attn_groups
+            for g in gs
+            if g.layer_names == ["model.layers.20.attn"]
+        )
         # What the fix reads of a builder (the real ones need a GPU to build).
         group.metadata_builders = [_BuilderStandIn(geometry.vllm_config, repro.CPU)]
         assert group.kernel_block_size == 64 and group.kernel_block_stride == 5
@@ -537,12 +653,14 @@ def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():
         group.kernel_block_offsets = torch.arange(2, dtype=torch.int32)
         table = torch.tensor([[3, 1, 6], [2, 5, 4]], dtype=torch.int32)
         positions = [torch.arange(0, 300), torch.arange(100, 257)]
-        manager = torch.cat([table[r, p // 128].long() * 128 + p % 128 for r, p in enumerate(positions)])
+        manager = torch.cat(
+            [table[r, p // 128].long() * 128 + p % 128 for r, p in enumerate(positions)]
+        )
         manager = torch.cat([manager, torch.full((7,), -1)])
         ktable = group.map_to_kernel_block_table(table).long()
         want = torch.cat([ktable[r, p // 64] * 64 + p % 64 for r, p in enumerate(positions)])
         got = fix.kernel_slots(group, manager)
         assert torch.equal(got[: want.numel()], want)
-        assert torch.equal(got[want.numel():], torch.full((7,), -1))
+        assert torch.equal(got[want.numel() :], torch.full((7,), -1))
         again = fix.kernel_slots(group, manager[:50])
         assert again.data_ptr() == got.data_ptr()

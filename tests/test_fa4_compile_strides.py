@@ -13,6 +13,7 @@ context-chunk kernels of vLLM's warm-up (5 CuTe compiles, ~15-25 s each on 2
 cores).  ``VLLM_MLA_FIXES_FA4_FULL=1`` adds the whole warm-up plan (16
 kernels) with a larger sweep, and the on-disk cache check.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,9 @@ from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
 
 AFFECTED = ("0.25.0", "0.25.1")
 FULL = os.environ.get("VLLM_MLA_FIXES_FA4_FULL") == "1"
-needs_full = pytest.mark.skipif(not FULL, reason="set VLLM_MLA_FIXES_FA4_FULL=1 (compiles 16+ kernels)")
+needs_full = pytest.mark.skipif(
+    not FULL, reason="set VLLM_MLA_FIXES_FA4_FULL=1 (compiles 16+ kernels)"
+)
 
 
 def run_harness(tmp_path: Path, *args: str, timeout: float, env: dict | None = None) -> dict:
@@ -36,19 +39,28 @@ def run_harness(tmp_path: Path, *args: str, timeout: float, env: dict | None = N
     proc = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", repro.__name__, *args, "--json", str(out)],
         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **(env or {})),
-        capture_output=True, text=True, timeout=timeout)
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.exists(), f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("version, admitted", [
-    ("0.23.1rc1.dev1133+g1b2c3d4", True),   # a nightly with the compile-only API
-    ("0.24.0", True),                        # admitted; the probe says not needed
-    ("0.25.0", True), ("0.25.1", True),
-    ("0.25.2rc1.dev7+gabcdef0", True),       # a nightly after 0.25.1: the probe decides
-    ("0.26.0rc1", False),                    # PEP 440: "<0.26.0" excludes 0.26.0's pre-releases
-    ("0.23.0", False), ("0.26.0", False), ("0.32.0", False),
-])
+@pytest.mark.parametrize(
+    "version, admitted",
+    [
+        ("0.23.1rc1.dev1133+g1b2c3d4", True),  # a nightly with the compile-only API
+        ("0.24.0", True),  # admitted; the probe says not needed
+        ("0.25.0", True),
+        ("0.25.1", True),
+        ("0.25.2rc1.dev7+gabcdef0", True),  # a nightly after 0.25.1: the probe decides
+        ("0.26.0rc1", False),  # PEP 440: "<0.26.0" excludes 0.26.0's pre-releases
+        ("0.23.0", False),
+        ("0.26.0", False),
+        ("0.32.0", False),
+    ],
+)
 def test_release_range_admits_the_nightlies(version, admitted):
     assert fix.INFO.admits(version) is admitted
 
@@ -56,7 +68,9 @@ def test_release_range_admits_the_nightlies(version, admitted):
 def test_upstream_error_text_is_the_reports():
     text = repro.upstream_error(repro.REPORT_STRIDE)
     assert repro.REPORT_STRIDE == 132096
-    assert text.startswith("ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(")
+    assert text.startswith(
+        "ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__("
+    )
     assert text.endswith("output_scale: None)`, expected to be 132096")
 
 
@@ -69,7 +83,11 @@ def test_gate_applies_on_affected_release_without_importing_cutlass(tmp_path):
     assert gate["register_imported"] == {"cutlass": False, fix.INTERFACE_MODULE: False}
     assert gate["deferred_outcome"] == "patched"
     assert gate["functional_probe"] == {"needed": True, "reason": None}
-    for module in (fix.UTILS_MODULE, fix.INTERFACE_MODULE, "vllm.vllm_flash_attn.cute.block_sparsity"):
+    for module in (
+        fix.UTILS_MODULE,
+        fix.INTERFACE_MODULE,
+        "vllm.vllm_flash_attn.cute.block_sparsity",
+    ):
         assert gate["patched"][module] is True, module
     assert gate["cache"] == {"type": "JITCache", "entries": 0, "path": None}
     assert gate["reverted"] == {"cache_restored": True, "target_restored": True}
@@ -102,7 +120,8 @@ def test_gate_not_needed_on_fixed_releases(tmp_path):
     assert gate["functional_probe"] == {
         "needed": False,
         "reason": "to_cute_tensor already gives compile-only specs symbolic strides "
-                  "(the upstream fix is present)"}
+        "(the upstream fix is present)",
+    }
 
 
 @pytest.mark.vllm_release("0.33.0")
@@ -126,22 +145,37 @@ def test_plugin_skips_where_vllm_flash_attn_does_not_import():
         "m.register()\n"
         "s = {x.name: [x.state.value, x.reason] for x in m.status()}['fa4-compile-strides']\n"
         "print(json.dumps({'status': s, 'cute_imported': any(k.startswith('vllm.vllm_flash_attn.cute') "
-        "for k in sys.modules)}))\n")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+        "for k in sys.modules)}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if result.get("extension_loads"):
         pytest.skip("vLLM's CUDA flash-attention extension loads on this machine")
     assert result["status"][0] == "skipped"
-    assert result["status"][1].startswith("cannot probe here: vllm.vllm_flash_attn does not import here")
+    assert result["status"][1].startswith(
+        "cannot probe here: vllm.vllm_flash_attn does not import here"
+    )
     assert result["cute_imported"] is False
 
 
 @pytest.mark.vllm_release("0.25.1")
 def test_disk_cache_moves_to_a_fresh_namespace(tmp_path):
     cache_dir = tmp_path / "cute-cache"
-    gate = run_harness(tmp_path, "--gate", timeout=600, env={
-        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache_dir)})
+    gate = run_harness(
+        tmp_path,
+        "--gate",
+        timeout=600,
+        env={
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache_dir),
+        },
+    )
     assert gate["cache"]["type"] == "JITPersistentCache"
     path = Path(gate["cache"]["path"])
     assert path.name == "fwd" and path.parent.name.endswith(fix.DISK_NAMESPACE_SUFFIX)
@@ -153,12 +187,16 @@ def test_disk_cache_moves_to_a_fresh_namespace(tmp_path):
 def _print_numbers(result: dict) -> None:
     print()
     for c in result["compiles"]:
-        print(f"compile {c['phase']:9} {c['probe']:22} {c['seconds']:6.1f} s  new kernels {c['new_kernels']}")
+        print(
+            f"compile {c['phase']:9} {c['probe']:22} {c['seconds']:6.1f} s  new kernels {c['new_kernels']}"
+        )
     sweep = result.get("sweep")
     if sweep:
-        print(f"sweep {sweep['kind']}: {sweep['reached_launch']}/{sweep['size']} reached launch, total_q "
-              f"{sweep['total_q_range']}, num_splits {sweep['num_splits_seen']}, cache entries "
-              f"{sweep['cache_entries_before']} -> {sweep['cache_entries_after']}, {sweep['seconds']} s")
+        print(
+            f"sweep {sweep['kind']}: {sweep['reached_launch']}/{sweep['size']} reached launch, total_q "
+            f"{sweep['total_q_range']}, num_splits {sweep['num_splits_seen']}, cache entries "
+            f"{sweep['cache_entries_before']} -> {sweep['cache_entries_after']}, {sweep['seconds']} s"
+        )
 
 
 @pytest.mark.vllm_release("0.25.1")
@@ -215,11 +253,27 @@ def test_full_warmup_plan_sweep(tmp_path):
 @needs_full
 def test_disk_cache_does_not_serve_kernels_compiled_before_the_fix(tmp_path):
     cache_dir = tmp_path / "cute-cache"
-    result = run_harness(tmp_path, "--sweep", "none", timeout=2400, env={
-        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache_dir)})
+    result = run_harness(
+        tmp_path,
+        "--sweep",
+        "none",
+        timeout=2400,
+        env={
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache_dir),
+        },
+    )
     _print_numbers(result)
-    stale = [p for p in cache_dir.rglob("*.o") if not p.parent.parent.name.endswith(fix.DISK_NAMESPACE_SUFFIX)]
-    fresh = [p for p in cache_dir.rglob("*.o") if p.parent.parent.name.endswith(fix.DISK_NAMESPACE_SUFFIX)]
+    stale = [
+        p
+        for p in cache_dir.rglob("*.o")
+        if not p.parent.parent.name.endswith(fix.DISK_NAMESPACE_SUFFIX)
+    ]
+    fresh = [
+        p
+        for p in cache_dir.rglob("*.o")
+        if p.parent.parent.name.endswith(fix.DISK_NAMESPACE_SUFFIX)
+    ]
     assert len(stale) == 1 and len(fresh) == 1  # the unpatched kernel stays where it was
     calls = {(c["phase"], c["total_q"]): c for c in result["calls"]}
     assert calls["unpatched", 130]["error"] == repro.upstream_error(132096)

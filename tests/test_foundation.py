@@ -1,4 +1,5 @@
 """The plugin mechanism against real vLLM releases (issue 2)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ RELEASES_WITH_FIXES = ("0.25.1", "0.32.0", "0.33.0")
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
     full_env.update(CUDA_VISIBLE_DEVICES="", **env)
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300
+    )
 
 
 PLUGIN_LOAD = """
@@ -47,13 +49,14 @@ def plugin_log():
 
 def _statuses(proc: subprocess.CompletedProcess) -> list[str]:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("STATUS="))
-    return json.loads(line[len("STATUS="):])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STATUS="))
+    return json.loads(line[len("STATUS=") :])
 
 
 @pytest.mark.vllm_release(*RELEASES_WITH_FIXES)
-@pytest.mark.parametrize("vllm_plugins, runs", [(None, True), ("mla_fixes", True),
-                                                ("lora_filesystem_resolver", False)])
+@pytest.mark.parametrize(
+    "vllm_plugins, runs", [(None, True), ("mla_fixes", True), ("lora_filesystem_resolver", False)]
+)
 def test_vllm_plugin_loader_runs_register(vllm_plugins, runs):
     env = {} if vllm_plugins is None else {"VLLM_PLUGINS": vllm_plugins}
     labels = _statuses(_run_python(PLUGIN_LOAD, **env))
@@ -120,18 +123,34 @@ print("FAILED", patch.failed)
     proc = _run_python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESTORED True" in proc.stdout
-    assert ("FAILED patching vllm.v1.worker.gpu.attn_utils failed: RuntimeError: target changed"
-            in proc.stdout)
+    assert (
+        "FAILED patching vllm.v1.worker.gpu.attn_utils failed: RuntimeError: target changed"
+        in proc.stdout
+    )
 
 
-VERSIONS = ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.32.0", "0.33.0",
-            "0.25.2rc1.dev1133+g1234abc", "0.23.1rc1.dev1133+g1234abc", "not-a-version"]
+VERSIONS = [
+    "0.24.0",
+    "0.25.0",
+    "0.25.1",
+    "0.26.0",
+    "0.32.0",
+    "0.33.0",
+    "0.25.2rc1.dev1133+g1234abc",
+    "0.23.1rc1.dev1133+g1234abc",
+    "not-a-version",
+]
 # The release range only admits a build to probing; the probe of the real code
 # decides (e.g. fa4-compile-strides is admitted on 0.24.0 and its probe says no).
 EXPECTED_ADMITTED = {
     "fp8-ds-mla-reshape": {"0.25.0", "0.25.1", "0.25.2rc1.dev1133+g1234abc"},
-    "fa4-compile-strides": {"0.24.0", "0.25.0", "0.25.1", "0.25.2rc1.dev1133+g1234abc",
-                            "0.23.1rc1.dev1133+g1234abc"},
+    "fa4-compile-strides": {
+        "0.24.0",
+        "0.25.0",
+        "0.25.1",
+        "0.25.2rc1.dev1133+g1234abc",
+        "0.23.1rc1.dev1133+g1234abc",
+    },
     "dsv41-sm120-geometry": {"0.32.0", "0.33.0"},
 }
 
@@ -152,7 +171,8 @@ def test_published_affected_releases_pass_their_own_gate():
 
 @pytest.mark.vllm_release("0.25.1")
 def test_fingerprint_mismatch_skips_with_one_warning_and_leaves_vllm_untouched(
-        fresh_plugin, monkeypatch, plugin_log):
+    fresh_plugin, monkeypatch, plugin_log
+):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     before = MLAAttentionSpec.__dict__["__post_init__"]
@@ -161,7 +181,11 @@ def test_fingerprint_mismatch_skips_with_one_warning_and_leaves_vllm_untouched(
     fresh_plugin.register()
     (entry,) = [s for s in fresh_plugin.status() if s.name == "fp8-ds-mla-reshape"]
     assert entry.state is State.SKIPPED and "unexpected target" in entry.reason
-    warnings = [r for r in plugin_log if r.levelno == logging.WARNING and "fp8-ds-mla-reshape" in r.getMessage()]
+    warnings = [
+        r
+        for r in plugin_log
+        if r.levelno == logging.WARNING and "fp8-ds-mla-reshape" in r.getMessage()
+    ]
     assert len(warnings) == 1
     assert MLAAttentionSpec.__dict__["__post_init__"] is before
 
@@ -189,13 +213,16 @@ def test_register_twice_equals_once(fresh_plugin):
     assert MLAAttentionSpec.__dict__["__post_init__"] is hook  # not wrapped twice
 
 
-@pytest.mark.parametrize("value, selected, unknown", [
-    (None, set(FIXES_BY_NAME), []),
-    ("all", set(FIXES_BY_NAME), []),
-    ("none", set(), []),
-    ("fp8-ds-mla-reshape", {"fp8-ds-mla-reshape"}, []),
-    (" fp8-ds-mla-reshape , bogus", {"fp8-ds-mla-reshape"}, ["bogus"]),
-])
+@pytest.mark.parametrize(
+    "value, selected, unknown",
+    [
+        (None, set(FIXES_BY_NAME), []),
+        ("all", set(FIXES_BY_NAME), []),
+        ("none", set(), []),
+        ("fp8-ds-mla-reshape", {"fp8-ds-mla-reshape"}, []),
+        (" fp8-ds-mla-reshape , bogus", {"fp8-ds-mla-reshape"}, ["bogus"]),
+    ],
+)
 def test_selection_variable(monkeypatch, value, selected, unknown):
     monkeypatch.delenv("VLLM_MLA_FIXES", raising=False)
     if value is not None:
@@ -204,8 +231,10 @@ def test_selection_variable(monkeypatch, value, selected, unknown):
 
 
 @pytest.mark.vllm_release("0.25.1")
-@pytest.mark.parametrize("value, state", [("none", State.DISABLED), ("all", State.APPLIED),
-                                          ("fp8-ds-mla-reshape", State.APPLIED)])
+@pytest.mark.parametrize(
+    "value, state",
+    [("none", State.DISABLED), ("all", State.APPLIED), ("fp8-ds-mla-reshape", State.APPLIED)],
+)
 def test_selection_variable_drives_register(fresh_plugin, monkeypatch, value, state):
     monkeypatch.setenv("VLLM_MLA_FIXES", value)
     fresh_plugin.register()
@@ -217,8 +246,10 @@ def test_unknown_name_warns_in_plugin_and_fails_in_cli(fresh_plugin, monkeypatch
     monkeypatch.setenv("VLLM_MLA_FIXES", "fp8-ds-mla-reshape,no-such-fix")
     fresh_plugin.register()  # never raises
     assert any(r.levelno == logging.WARNING and "no-such-fix" in r.getMessage() for r in plugin_log)
-    proc = _run_python("from vllm_mla_fixes.cli import main; raise SystemExit(main(['status']))",
-                       VLLM_MLA_FIXES="no-such-fix")
+    proc = _run_python(
+        "from vllm_mla_fixes.cli import main; raise SystemExit(main(['status']))",
+        VLLM_MLA_FIXES="no-such-fix",
+    )
     assert proc.returncode == 2
     assert "no-such-fix" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -237,7 +268,7 @@ def test_ci_runs_the_readme_test_command():
 
     root = Path(__file__).resolve().parent.parent
     readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
-    test_command = next(l for l in readme.splitlines() if l.endswith("&& nox"))
+    test_command = next(ln for ln in readme.splitlines() if ln.endswith("&& nox"))
     assert test_command.split(" && ")[1] in ci and "nox==2026.10.20 uv==0.13.9" in ci
 
 

@@ -4,6 +4,7 @@ Reproduces the upstream start-up failures through vLLM 0.25.x's own producers,
 planners and model runners, then shows the fix removes them without changing
 anything else.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,8 +67,11 @@ def test_only_kv_quant_mode_changes(fresh_plugin):
     before, after = _specs_unfixed_and_fixed(fresh_plugin)
     for name in before:
         assert after[name].page_size_bytes == before[name].page_size_bytes, name
-        changed = {f.name for f in dataclasses.fields(before[name])
-                   if getattr(before[name], f.name) != getattr(after[name], f.name)}
+        changed = {
+            f.name
+            for f in dataclasses.fields(before[name])
+            if getattr(before[name], f.name) != getattr(after[name], f.name)
+        }
         if name.endswith(".attn"):
             assert before[name].kv_quant_mode is KVQuantMode.NONE
             assert after[name].kv_quant_mode is KVQuantMode.FP8_PER_TENSOR
@@ -107,15 +111,27 @@ def test_sliding_window_mla_conversion_keeps_the_layout_truth(fresh_plugin, mode
     """``unify_hybrid_kv_cache_specs`` rebuilds sliding-window MLA specs as
     ``MLAAttentionSpec`` without ``kv_quant_mode``; the fix covers that producer too."""
     from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
-    from vllm.v1.kv_cache_interface import (KVQuantMode, MLAAttentionSpec,
-                                            SlidingWindowMLASpec, get_kv_quant_mode)
+    from vllm.v1.kv_cache_interface import (
+        KVQuantMode,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        get_kv_quant_mode,
+    )
 
     def specs():
-        common = dict(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
-                      cache_dtype_str="fp8_ds_mla", model_version=model_version,
-                      kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"))
-        mixed = {"full": MLAAttentionSpec(**common),
-                 "swa": SlidingWindowMLASpec(sliding_window=128, **common)}
+        common = dict(
+            block_size=64,
+            num_kv_heads=1,
+            head_size=576,
+            dtype=torch.uint8,
+            cache_dtype_str="fp8_ds_mla",
+            model_version=model_version,
+            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+        )
+        mixed = {
+            "full": MLAAttentionSpec(**common),
+            "swa": SlidingWindowMLASpec(sliding_window=128, **common),
+        }
         unify_hybrid_kv_cache_specs(mixed)
         return mixed
 
@@ -156,11 +172,16 @@ def test_probe_says_needed_on_affected_release():
 def test_no_op_on_neighbour_releases(fresh_plugin):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
-    hooks = (MLAAttentionSpec.__dict__["__post_init__"], SlidingWindowMLASpec.__dict__["__post_init__"])
+    hooks = (
+        MLAAttentionSpec.__dict__["__post_init__"],
+        SlidingWindowMLASpec.__dict__["__post_init__"],
+    )
     fresh_plugin.register()
     assert _fp8_status(fresh_plugin).state is State.NOT_NEEDED
-    assert (MLAAttentionSpec.__dict__["__post_init__"],
-            SlidingWindowMLASpec.__dict__["__post_init__"]) == hooks
+    assert (
+        MLAAttentionSpec.__dict__["__post_init__"],
+        SlidingWindowMLASpec.__dict__["__post_init__"],
+    ) == hooks
     # The probe, asked directly, reads the real release code the same way.
     reason = fp8_ds_mla_reshape.probe()
     assert reason is not None and ("#48379" in reason or "cache dtype" in reason)

@@ -7,6 +7,7 @@ skipped ("not reviewed"), naming the newest reviewed release -- nightlies of
 the next version count as newer.  Anything else in ``affected`` goes to the
 fix's probe (``None`` here).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,22 +24,42 @@ NOT_COVERED = "skipped: bug present in vLLM {v}, not covered here; upgrade to 0.
 
 EXPECTED = {
     "fp8-ds-mla-reshape": {
-        "0.24.0": "not-needed", "0.25.0": PROBE, "0.25.1": PROBE,
+        "0.24.0": "not-needed",
+        "0.25.0": PROBE,
+        "0.25.1": PROBE,
         "0.25.2rc1.dev1133+g1234abc": PROBE,
-        "0.26.0": "not-needed", "0.26.0+cu130": "not-needed", "0.26.1.dev3+gabcdef0": "not-needed",
-        "0.34.0": "not-needed", "0.40.0": "not-needed",
+        "0.26.0": "not-needed",
+        "0.26.0+cu130": "not-needed",
+        "0.26.1.dev3+gabcdef0": "not-needed",
+        "0.34.0": "not-needed",
+        "0.40.0": "not-needed",
     },
     "fa4-compile-strides": {
-        "0.23.0": "not-needed", "0.23.1rc1.dev1133+g1234abc": PROBE, "0.24.0": PROBE, "0.25.1": PROBE,
-        "0.26.0": "not-needed", "0.26.1.dev3+gabcdef0": "not-needed", "0.40.0": "not-needed",
+        "0.23.0": "not-needed",
+        "0.23.1rc1.dev1133+g1234abc": PROBE,
+        "0.24.0": PROBE,
+        "0.25.1": PROBE,
+        "0.26.0": "not-needed",
+        "0.26.1.dev3+gabcdef0": "not-needed",
+        "0.40.0": "not-needed",
     },
     "dsv41-sm120-geometry": {
-        "0.26.0": "not-needed", "0.29.0": "not-needed",
-        "0.30.0": NOT_COVERED, "0.31.0": NOT_COVERED, "0.31.1rc1.dev5+g1234abc": NOT_COVERED,
-        "0.32.0": PROBE, "0.33.0": PROBE, "0.33.1.dev7+g1234abc": PROBE,
-        "0.34.0": PROBE, "0.34.0+cu130": PROBE, "0.34.0rc2": PROBE,
-        "0.34.1": NOT_REVIEWED, "0.34.1.dev12+g1234abc": NOT_REVIEWED,
-        "0.35.0rc1.dev3+g1234abc": NOT_REVIEWED, "0.35.0": NOT_REVIEWED, "1.0.0": NOT_REVIEWED,
+        "0.26.0": "not-needed",
+        "0.29.0": "not-needed",
+        "0.30.0": NOT_COVERED,
+        "0.31.0": NOT_COVERED,
+        "0.31.1rc1.dev5+g1234abc": NOT_COVERED,
+        "0.32.0": PROBE,
+        "0.33.0": PROBE,
+        "0.33.1.dev7+g1234abc": PROBE,
+        "0.34.0": PROBE,
+        "0.34.0+cu130": PROBE,
+        "0.34.0rc2": PROBE,
+        "0.34.1": NOT_REVIEWED,
+        "0.34.1.dev12+g1234abc": NOT_REVIEWED,
+        "0.35.0rc1.dev3+g1234abc": NOT_REVIEWED,
+        "0.35.0": NOT_REVIEWED,
+        "1.0.0": NOT_REVIEWED,
     },
 }
 
@@ -49,7 +70,9 @@ def _label(status) -> str:
     return f"skipped: {status.reason}" if status.state is State.SKIPPED else status.state.value
 
 
-@pytest.mark.parametrize("fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table])
+@pytest.mark.parametrize(
+    "fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table]
+)
 def test_release_rule(fix, version):
     expected = EXPECTED[fix][version].format(v=version)
     label = _label(release_decision(FIXES_BY_NAME[fix].INFO, version))
@@ -70,7 +93,9 @@ def test_every_fix_declares_a_consistent_release_record():
         after = f"{newest.major}.{newest.minor + 1}.0"
         status = release_decision(info, after)
         if info.fixed_in is None:
-            assert status.state is State.SKIPPED and info.newest_reviewed in status.reason, info.name
+            assert status.state is State.SKIPPED and info.newest_reviewed in status.reason, (
+                info.name
+            )
         else:
             assert newest >= Version(info.fixed_in)  # the fixed release itself was reviewed
             assert status.state is State.NOT_NEEDED, info.name
@@ -119,7 +144,9 @@ def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypat
     assert "newer than 0.34.0, the newest release reviewed for this fix" in warnings[0]
 
 
-@pytest.mark.parametrize("fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table])
+@pytest.mark.parametrize(
+    "fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table]
+)
 def test_doctor_follows_the_same_rule(fix, version, monkeypatch):
     """doctor's finding for a release the gate decides says what the plugin says;
     where the probe decides, the fix's own diagnosis runs."""
@@ -127,8 +154,15 @@ def test_doctor_follows_the_same_rule(fix, version, monkeypatch):
     from vllm_mla_fixes.report import Environment
 
     expected = EXPECTED[fix][version].format(v=version)
-    env = Environment(packages={"vllm": version}, gpu=None, capability=None, torch_cuda=None,
-                      vllm_plugins=None, mla_fixes=None, fix_states={})
+    env = Environment(
+        packages={"vllm": version},
+        gpu=None,
+        capability=None,
+        torch_cuda=None,
+        vllm_plugins=None,
+        mla_fixes=None,
+        fix_states={},
+    )
     monkeypatch.setattr("vllm_mla_fixes.doctor.read_environment", lambda load_plugins: env)
     findings = [f for f in diagnose([])[2] if f.topic == fix]
     if expected == PROBE:

@@ -24,6 +24,7 @@ against the real releases, so that each GPU test is shown -- by construction
   a session with no passed test fails, and the preflight fails on a machine
   without the GPU; without the variable all of it stays a skip.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,15 @@ def _cpu_env(**extra: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------- FA4
 
+
 def _fa4_step_plan(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(GPU_TESTS / "fa4_step_plan.py"), *args],
-                          env=_cpu_env(VLLM_PLUGINS=""), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(GPU_TESTS / "fa4_step_plan.py"), *args],
+        env=_cpu_env(VLLM_PLUGINS=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -92,10 +99,14 @@ def test_fa4_old_case_never_reached_split_kv():
 def test_new_split_kv_calls_needs_split_and_a_total_q_warmup_did_not_compile():
     from gpu.inprocess.call_probes import new_split_kv_calls
 
-    warm = [{"probe": "fa4", "compile_only": True, "total_q": q, "num_splits": 0 if q == 1 else 16}
-            for q in (1, 129)]
-    real = [{"probe": "fa4", "compile_only": False, "total_q": q, "num_splits": s}
-            for q, s in ((129, 16), (308, 8), (8192, 1), (1, 16))]
+    warm = [
+        {"probe": "fa4", "compile_only": True, "total_q": q, "num_splits": 0 if q == 1 else 16}
+        for q in (1, 129)
+    ]
+    real = [
+        {"probe": "fa4", "compile_only": False, "total_q": q, "num_splits": s}
+        for q, s in ((129, 16), (308, 8), (8192, 1), (1, 16))
+    ]
     assert [r["total_q"] for r in new_split_kv_calls(warm + real)] == [308, 1]
 
 
@@ -104,8 +115,13 @@ def test_fa4_probe_without_a_verdict_fails_the_fixture():
     """On CPU the fix's real probe cannot import FA4: the child prints no BUG= line."""
     from gpu.test_fa4_compile_strides_gpu import PROBE_CODE, probe_verdict
 
-    proc = subprocess.run([sys.executable, "-c", PROBE_CODE], env=_cpu_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_CODE],
+        env=_cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "BUG=" not in proc.stdout
     with pytest.raises(pytest.fail.Exception) as failure:
         probe_verdict(proc.returncode, proc.stdout, proc.stderr)
@@ -135,19 +151,29 @@ def test_fa4_call_probe_loads_through_sitecustomize_beside_the_fix(tmp_path):
     from gpu.inprocess.call_probes import LOG_ENV, read_log
 
     log = tmp_path / "calls.jsonl"
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _FA4_THROUGH_SITECUSTOMIZE],
-                          env=_cpu_env(VLLM_PLUGINS="", PYTHONPATH=str(GPU_TESTS / "inprocess"),
-                                       **{LOG_ENV: str(log)}),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _FA4_THROUGH_SITECUSTOMIZE],
+        env=_cpu_env(
+            VLLM_PLUGINS="", PYTHONPATH=str(GPU_TESTS / "inprocess"), **{LOG_ENV: str(log)}
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == {"wrapped": True, "fix": "applied", "splits": 8,
-                    "key_looked_up_in_fixed_cache": True}, seen
+    assert seen == {
+        "wrapped": True,
+        "fix": "applied",
+        "splits": 8,
+        "key_looked_up_in_fixed_cache": True,
+    }, seen
     fa4 = [r for r in read_log(log) if r.get("probe") == "fa4"]
     assert [(r["total_q"], r["num_splits"], r["compile_only"]) for r in fa4] == [(300, 8, True)]
 
 
 # --------------------------------------------------------------- DSV4.1
+
 
 @pytest.fixture(scope="module")
 def harness_reads():
@@ -158,8 +184,8 @@ def harness_reads():
     FlashInfer stand-in: the fix's default geometry, and the control (the split
     with untranslated ratio-1 writer slots)."""
     import torch
-
     from gpu.inprocess import call_probes
+
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
     from vllm_mla_fixes.selftest.timeline import TIMELINE
@@ -172,13 +198,21 @@ def harness_reads():
         def observe(out, _captured=captured, **call):
             probe = torch.empty(call["query"].shape, dtype=torch.float32)
             read, unwritten = call_probes.reference_sparse_mla(**call, out=probe)
-            _captured.append({"harness": out.float().clone(), "probe": probe, "read": read,
-                             "unwritten": unwritten})
+            _captured.append(
+                {
+                    "harness": out.float().clone(),
+                    "probe": probe,
+                    "read": read,
+                    "unwritten": unwritten,
+                }
+            )
 
         kernels = kn.Kernels.for_device(device)
         kernels.attention_observer = observe
-        runs[geometry] = captured, harness.run_geometry(geometry, device, kernels,
-                                                        plans=TIMELINE[:1])
+        runs[geometry] = (
+            captured,
+            harness.run_geometry(geometry, device, kernels, plans=TIMELINE[:1]),
+        )
     return runs
 
 
@@ -200,10 +234,13 @@ def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harne
     from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
 
     attention = ("attention prefill (FlashInfer SM120 sparse MLA)",)
-    errors = {g: max(result.kernels[k].worst for k in attention)
-              for g, (_, result) in harness_reads.items()}
-    unwritten = {g: sum(call["unwritten"] for call in captured)
-                 for g, (captured, _) in harness_reads.items()}
+    errors = {
+        g: max(result.kernels[k].worst for k in attention)
+        for g, (_, result) in harness_reads.items()
+    }
+    unwritten = {
+        g: sum(call["unwritten"] for call in captured) for g, (captured, _) in harness_reads.items()
+    }
     print({g: (f"{errors[g]:.3g}", unwritten[g]) for g in errors})
     assert errors["split"] <= ATTENTION_TOLERANCE / 100, errors
     assert unwritten["split"] == 0
@@ -216,14 +253,21 @@ def test_dsv41_call_probe_wraps_the_entry_vllm_calls(tmp_path):
     """Imported through sitecustomize, vLLM's module calls the probe, which calls FlashInfer."""
     from gpu.inprocess.call_probes import LOG_ENV
 
-    code = ("import vllm.models.deepseek_v41.nvidia.flashinfer_sparse as m, vllm.utils.flashinfer as u; "
-            "f = m.flashinfer_trtllm_batch_decode_sparse_mla_dsv4; "
-            "print(f is not u.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 "
-            "and f.__wrapped__ is u.flashinfer_trtllm_batch_decode_sparse_mla_dsv4)")
-    proc = subprocess.run([sys.executable, "-c", code],
-                          env=_cpu_env(PYTHONPATH=str(GPU_TESTS / "inprocess"),
-                                       **{LOG_ENV: str(tmp_path / "calls.jsonl")}),
-                          capture_output=True, text=True, timeout=600)
+    code = (
+        "import vllm.models.deepseek_v41.nvidia.flashinfer_sparse as m, vllm.utils.flashinfer as u; "
+        "f = m.flashinfer_trtllm_batch_decode_sparse_mla_dsv4; "
+        "print(f is not u.flashinfer_trtllm_batch_decode_sparse_mla_dsv4 "
+        "and f.__wrapped__ is u.flashinfer_trtllm_batch_decode_sparse_mla_dsv4)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_cpu_env(
+            PYTHONPATH=str(GPU_TESTS / "inprocess"), **{LOG_ENV: str(tmp_path / "calls.jsonl")}
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("True"), proc.stderr[-6000:]
 
 
@@ -239,7 +283,7 @@ def _paged_records(pages: int, rows: int, seed: int):
     data = torch.cat([nope.view(torch.uint8), rope.view(torch.uint8)], dim=2)
     cache[:, : rows * 576] = data.reshape(pages, rows * 576)
     scales = torch.randint(120, 124, (pages, rows, 8), generator=gen, dtype=torch.uint8)
-    cache[:, rows * 576:] = scales.reshape(pages, rows * 8)
+    cache[:, rows * 576 :] = scales.reshape(pages, rows * 8)
     return cache.view(pages, rows, 1, 584)
 
 
@@ -247,7 +291,6 @@ def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_pat
     """What the GPU tolerance catches: a kernel addressing the bound pages with another
     geometry (here 32-row pages over 64-row ones) is far off; a faithful one is not."""
     import torch
-
     from gpu.inprocess import call_probes
     from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
 
@@ -255,10 +298,16 @@ def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_pat
     cache = _paged_records(pages=6, rows=64, seed=1)
     gen = torch.Generator().manual_seed(2)
     tokens, heads = 5, 8
-    args = dict(query=torch.randn(tokens, heads, 512, generator=gen).to(torch.bfloat16) * 0.05,
-                swa_kv_cache=cache, sparse_indices=torch.randint(0, 6 * 64, (tokens, 128), generator=gen),
-                swa_topk_lens=torch.tensor([128, 100, 64, 7, 128]), bmm1_scale=512 ** -0.5,
-                sinks=torch.zeros(heads), workspace_buffer=None, kv_layout="NHD")
+    args = dict(
+        query=torch.randn(tokens, heads, 512, generator=gen).to(torch.bfloat16) * 0.05,
+        swa_kv_cache=cache,
+        sparse_indices=torch.randint(0, 6 * 64, (tokens, 128), generator=gen),
+        swa_topk_lens=torch.tensor([128, 100, 64, 7, 128]),
+        bmm1_scale=512**-0.5,
+        sinks=torch.zeros(heads),
+        workspace_buffer=None,
+        kv_layout="NHD",
+    )
     misread = cache.view(torch.uint8).reshape(-1)[: 12 * 32 * 584].view(12, 32, 1, 584)
 
     def faithful_kernel(**kwargs):
@@ -271,8 +320,9 @@ def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_pat
     for name, kernel in (("faithful", faithful_kernel), ("misreading", misreading_kernel)):
         module = type("FlashInferSparse", (), {call_probes.DSV41_ENTRY: staticmethod(kernel)})
         call_probes.instrument_dsv41(module)
-        getattr(module, call_probes.DSV41_ENTRY)(**args, out=torch.empty(tokens, heads, 512,
-                                                                           dtype=torch.bfloat16))
+        getattr(module, call_probes.DSV41_ENTRY)(
+            **args, out=torch.empty(tokens, heads, 512, dtype=torch.bfloat16)
+        )
         record = call_probes.read_log(tmp_path / "calls.jsonl")[-1]
         assert record["records_read"] == 427 and record["unwritten_read"] == 0, record
         errors[name] = record["rel_error"]
@@ -283,24 +333,41 @@ def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_pat
 
 def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
     """The with-fix GPU test cannot pass on a run whose attention calls prove nothing."""
-    from gpu.test_dsv41_sm120_gpu import (ATTENTION_LAYERS, COMPRESSED_LAYERS, MAX_TOKENS,
-                                          attention_summary, run_problems)
+    from gpu.test_dsv41_sm120_gpu import (
+        ATTENTION_LAYERS,
+        COMPRESSED_LAYERS,
+        MAX_TOKENS,
+        attention_summary,
+        run_problems,
+    )
 
     def run(records):
-        return {"healthy": True, "request_error": None, "completions": [[5] * MAX_TOKENS],
-                "attention": attention_summary([{"probe": "install"}, *records])}
+        return {
+            "healthy": True,
+            "request_error": None,
+            "completions": [[5] * MAX_TOKENS],
+            "attention": attention_summary([{"probe": "install"}, *records]),
+        }
 
     def call(error, extra=True, unwritten=0):
-        return {"probe": "dsv41", "rel_error": error, "records_read": 200,
-                "unwritten_read": unwritten, "swa_page": [64, 37376],
-                "extra_page": [64, 46080] if extra else None}
+        return {
+            "probe": "dsv41",
+            "rel_error": error,
+            "records_read": 200,
+            "unwritten_read": unwritten,
+            "swa_page": [64, 37376],
+            "extra_page": [64, 46080] if extra else None,
+        }
 
-    steps = [call(0.004, extra=layer < COMPRESSED_LAYERS)
-             for _ in range(MAX_TOKENS) for layer in range(ATTENTION_LAYERS)]
+    steps = [
+        call(0.004, extra=layer < COMPRESSED_LAYERS)
+        for _ in range(MAX_TOKENS)
+        for layer in range(ATTENTION_LAYERS)
+    ]
     assert run_problems(run(steps), 1, MAX_TOKENS) == []
-    assert run_problems(run([]), 1, MAX_TOKENS)                      # nothing compared
-    assert run_problems(run(steps[:-1]), 1, MAX_TOKENS)              # a call missing
-    assert run_problems(run(steps + [call(0.7)]), 1, MAX_TOKENS)     # a wrong page
+    assert run_problems(run([]), 1, MAX_TOKENS)  # nothing compared
+    assert run_problems(run(steps[:-1]), 1, MAX_TOKENS)  # a call missing
+    assert run_problems(run(steps + [call(0.7)]), 1, MAX_TOKENS)  # a wrong page
     assert run_problems(run(steps + [call(float("inf"))]), 1, MAX_TOKENS)
     assert run_problems(run(steps + [call(0.0, unwritten=3)]), 1, MAX_TOKENS)
     assert run_problems(run(steps + [{"probe": "dsv41", "probe_error": "x"}]), 1, MAX_TOKENS)
@@ -308,6 +375,7 @@ def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
 
 
 # ---------------------------------------------------------- declared GPU
+
 
 def test_declared_gpu_turns_skip_into_failure_only_for_the_declared_gpu():
     from gpu.conftest import skip_is_failure
@@ -321,9 +389,14 @@ def test_declared_gpu_turns_skip_into_failure_only_for_the_declared_gpu():
 
 
 def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           *args], cwd=ROOT, env=_cpu_env(**env), capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        env=_cpu_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_gpu_tests_on_a_machine_without_the_declared_gpu():
@@ -334,22 +407,28 @@ def test_gpu_tests_on_a_machine_without_the_declared_gpu():
     declared = _pytest(target, VLLM_MLA_FIXES_EXPECT_GPU_CC="9")
     assert declared.returncode == 1, declared.stdout[-3000:]
     assert "3 errors" in declared.stdout, declared.stdout[-3000:]  # the fixture skipped
-    assert "VLLM_MLA_FIXES_EXPECT_GPU_CC=9 declares an SM9x GPU on this runner, but the test " \
-           "skipped: needs a CUDA GPU" in declared.stdout, declared.stdout[-3000:]
+    assert (
+        "VLLM_MLA_FIXES_EXPECT_GPU_CC=9 declares an SM9x GPU on this runner, but the test "
+        "skipped: needs a CUDA GPU" in declared.stdout
+    ), declared.stdout[-3000:]
 
 
 def test_declared_gpu_session_with_no_passed_test_fails(tmp_path):
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""\
+    (tmp_path / "conftest.py").write_text(
+        textwrap.dedent(f"""\
         import sys
         sys.path.insert(0, {str(TESTS)!r})
         from gpu.conftest import pytest_runtest_makereport, pytest_sessionfinish  # noqa: F401
-        """))
-    (tmp_path / "test_other_release.py").write_text(textwrap.dedent("""\
+        """)
+    )
+    (tmp_path / "test_other_release.py").write_text(
+        textwrap.dedent("""\
         import pytest
 
         def test_for_another_release():
             pytest.skip("needs vLLM >=0.32.0,<0.35.0, found 0.25.1")
-        """))
+        """)
+    )
     plain = _pytest(str(tmp_path), "--rootdir", str(tmp_path))
     assert plain.returncode == 0, plain.stdout[-3000:]
     declared = _pytest(str(tmp_path), "--rootdir", str(tmp_path), VLLM_MLA_FIXES_EXPECT_GPU_CC="12")
@@ -359,11 +438,17 @@ def test_declared_gpu_session_with_no_passed_test_fails(tmp_path):
 
 def test_preflight_fails_only_where_a_gpu_is_declared():
     script = str(GPU_TESTS / "preflight.py")
-    plain = subprocess.run([sys.executable, script], env=_cpu_env(), capture_output=True, text=True,
-                           timeout=300)
+    plain = subprocess.run(
+        [sys.executable, script], env=_cpu_env(), capture_output=True, text=True, timeout=300
+    )
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    declared = subprocess.run([sys.executable, script], env=_cpu_env(VLLM_MLA_FIXES_EXPECT_GPU_CC="12"),
-                              capture_output=True, text=True, timeout=300)
+    declared = subprocess.run(
+        [sys.executable, script],
+        env=_cpu_env(VLLM_MLA_FIXES_EXPECT_GPU_CC="12"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert declared.returncode == 1, declared.stdout + declared.stderr
     assert "torch.cuda.is_available() is False" in declared.stderr
 
@@ -379,9 +464,12 @@ def test_cuda_toolkit_env_points_at_the_locked_nvcc(tmp_path):
         pytest.skip("this release's lock has no nvidia/cu13 toolkit wheels")
     env = cuda_toolkit.toolkit_env(tmp_path / "links")
     home = Path(env["CUDA_HOME"])
-    version = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True,
-                             text=True, timeout=120)
-    assert version.returncode == 0 and "release 13." in version.stdout, version.stdout + version.stderr
+    version = subprocess.run(
+        [str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert version.returncode == 0 and "release 13." in version.stdout, (
+        version.stdout + version.stderr
+    )
     assert (home / "include" / "cuda_runtime.h").exists()
     assert (tmp_path / "links" / "libcudart.so").resolve().exists()
     assert f"-L{tmp_path / 'links'}" in env["FLASHINFER_EXTRA_LDFLAGS"]

@@ -9,6 +9,7 @@ imports vLLM's FA4 code without the CUDA extension; DSV4.1: ``for_capability``).
 Set ``VLLM_MLA_FIXES_MATRIX_OUT`` to a folder to record the rows
 (``benchmarks/release_matrix.py`` does).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from vllm_mla_fixes import installed_vllm_version
-from vllm_mla_fixes.fixes import ALL_FIXES, dsv41_sm120_geometry, fa4_compile_strides, fp8_ds_mla_reshape
+from vllm_mla_fixes.fixes import (
+    ALL_FIXES,
+    dsv41_sm120_geometry,
+    fa4_compile_strides,
+    fp8_ds_mla_reshape,
+)
 from vllm_mla_fixes.patching import run_fix
 from vllm_mla_fixes.reproductions import fa4_compile_strides as fa4_repro
 
@@ -30,15 +35,21 @@ def _decide_fp8(version):
 
 def _decide_fa4(version, tmp_path):
     out = tmp_path / "gate.json"
-    subprocess.run([sys.executable, "-W", "ignore", "-m", fa4_repro.__name__, "--gate", "--json", str(out)],
-                   env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", fa4_repro.__name__, "--gate", "--json", str(out)],
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        timeout=600,
+    )
     gate = json.loads(out.read_text())
     return [("SM100", gate["status"])]
 
 
 def _decide_dsv41(version):
-    return [(f"SM{major}{minor}", run_fix(dsv41_sm120_geometry.for_capability((major, minor)), version))
-            for major, minor in ((12, 0), (12, 1), (10, 0), (9, 0))]
+    return [
+        (f"SM{major}{minor}", run_fix(dsv41_sm120_geometry.for_capability((major, minor)), version))
+        for major, minor in ((12, 0), (12, 1), (10, 0), (9, 0))
+    ]
 
 
 def _state(result) -> str:
@@ -57,13 +68,22 @@ def test_every_fix_reaches_the_right_state_on_this_release(tmp_path):
     for hardware, result in _decide_fa4(version, tmp_path):
         rows.append((fa4_compile_strides.INFO, hardware, _state(result), True))
     for hardware, result in _decide_dsv41(version):
-        rows.append((dsv41_sm120_geometry.INFO, hardware, _state(result), hardware.startswith("SM12")))
+        rows.append(
+            (dsv41_sm120_geometry.INFO, hardware, _state(result), hardware.startswith("SM12"))
+        )
     assert {info.name for info, *_ in rows} == {m.INFO.name for m in ALL_FIXES}
     table = []
     for info, hardware, state, targeted in rows:
         expected = "applied" if targeted and version in info.affected_releases else "not-needed"
-        table.append({"release": version, "fix": info.name, "hardware": hardware,
-                      "state": state, "expected": expected})
+        table.append(
+            {
+                "release": version,
+                "fix": info.name,
+                "hardware": hardware,
+                "state": state,
+                "expected": expected,
+            }
+        )
     out = os.environ.get("VLLM_MLA_FIXES_MATRIX_OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """The source-screen cache (issue 11, plugin cost): same verdicts as screening,
 no vLLM source parsed when the key matches, and a screen again on any change."""
+
 from __future__ import annotations
 
 import json
@@ -83,10 +84,15 @@ def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
 
     assert screen_cache.cached_screen(fp8, screen) is None  # 0.25.1 carries the bug
     edited = tmp_path / "attn_utils.py"
-    edited.write_text(screen_cache.source_file(fp8.RESHAPE_MODULE).read_text() + "\n# hand-patched\n")
+    edited.write_text(
+        screen_cache.source_file(fp8.RESHAPE_MODULE).read_text() + "\n# hand-patched\n"
+    )
     real = screen_cache.source_file
-    monkeypatch.setattr(screen_cache, "source_file",
-                        lambda module: edited if module == fp8.RESHAPE_MODULE else real(module))
+    monkeypatch.setattr(
+        screen_cache,
+        "source_file",
+        lambda module: edited if module == fp8.RESHAPE_MODULE else real(module),
+    )
     screen_cache.cached_screen(fp8, screen)
     assert len(calls) == 2
 
@@ -120,19 +126,30 @@ def test_dsv41_probe_on_sm120_parses_nothing_the_second_time(cache):
 def test_every_vllm_process_after_the_first_parses_nothing(tmp_path):
     """Two fresh processes, as vLLM starts them: same fix states, and the second
     reads no vLLM source through the parser."""
-    run = ("import json, vllm.plugins\n"
-           "vllm.plugins.load_general_plugins()\n"
-           "import vllm_mla_fixes\n"
-           "from vllm_mla_fixes import patching\n"
-           "print('RESULT=' + json.dumps({'parsed': patching.vllm_source.cache_info().misses,\n"
-           "    'states': [[s.name, s.state.value, s.reason] for s in vllm_mla_fixes.status()]}))\n")
+    run = (
+        "import json, vllm.plugins\n"
+        "vllm.plugins.load_general_plugins()\n"
+        "import vllm_mla_fixes\n"
+        "from vllm_mla_fixes import patching\n"
+        "print('RESULT=' + json.dumps({'parsed': patching.vllm_source.cache_info().misses,\n"
+        "    'states': [[s.name, s.state.value, s.reason] for s in vllm_mla_fixes.status()]}))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
     env.update(CUDA_VISIBLE_DEVICES="", **{screen_cache.CACHE_DIR_ENV: str(tmp_path)})
     results = []
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", run], env=env, capture_output=True, text=True,
-                             check=True, cwd=ROOT, timeout=300).stdout
-        results.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT="))[7:]))
+        out = subprocess.run(
+            [sys.executable, "-c", run],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+            timeout=300,
+        ).stdout
+        results.append(
+            json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT="))[7:])
+        )
     assert results[0]["states"] == results[1]["states"]
     assert ["fp8-ds-mla-reshape", "applied"] == results[1]["states"][0][:2]
     assert results[0]["parsed"] > 0 and results[1]["parsed"] == 0

@@ -45,17 +45,31 @@ fix._with_kernel_slots = lambda original: original
 
 
 def _cpu_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES", "VLLM_LOGGING_STREAM", "PYTHONPATH",
-                        "VLLM_MLA_FIXES_DSV41_GEOMETRY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "VLLM_PLUGINS",
+            "VLLM_MLA_FIXES",
+            "VLLM_LOGGING_STREAM",
+            "PYTHONPATH",
+            "VLLM_MLA_FIXES_DSV41_GEOMETRY",
+        )
+    }
     return {**env, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def _selftest(*args: str, **env: str) -> subprocess.Popen:
     command = Path(sys.executable).with_name("vllm-mla-fixes")  # this environment's console script
     assert command.exists(), f"{command} is missing: install the package into this environment"
-    return subprocess.Popen([str(command), "selftest", "--json", *args], env=_cpu_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(command), "selftest", "--json", *args],
+        env=_cpu_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, dict, str]:
@@ -78,8 +92,9 @@ def runs(request, tmp_path_factory):
     if request.config.vllm_release == REGRESSED_ON:
         site = tmp_path_factory.mktemp("regressed")
         (site / "sitecustomize.py").write_text(REGRESSED_FIX)
-        regressed = _selftest("--geometry", "split", "--no-timing", "--jobs", "1",
-                              PYTHONPATH=str(site))
+        regressed = _selftest(
+            "--geometry", "split", "--no-timing", "--jobs", "1", PYTHONPATH=str(site)
+        )
     return _finish(installed), regressed and _finish(regressed)
 
 
@@ -94,13 +109,18 @@ def _geometry(report: dict, name: str) -> dict:
 
 # ------------------------------------------------------------ the verdicts
 
+
 @pytest.mark.vllm_release(*DSV41)
 def test_selftest_passes_with_the_fix_as_installed(runs):
     (status, report, err), _ = runs
     verdicts = {g["name"]: g["verdict"] for g in report["geometries"]}
     assert (status, report["exit_status"]) == (0, 0), (verdicts, err[-6000:])
-    assert verdicts == {"split": "pass", "fallback": "pass", "upstream": "bug reproduced",
-                        "control": "caught"}
+    assert verdicts == {
+        "split": "pass",
+        "fallback": "pass",
+        "upstream": "bug reproduced",
+        "control": "caught",
+    }
 
 
 @pytest.mark.vllm_release(*DSV41)
@@ -113,8 +133,12 @@ def test_fix_geometries_read_back_exactly_in_every_serving_case(report, geometry
         assert case["worst_error"] == 0 and case["foreign_bytes"] == 0, (name, case)
     for row in g["rows"]:
         assert row["verdict"] == "pass", row
-    assert (g["stray_bytes"], g["foreign_bytes"], g["tiling_problems"],
-            g["ratio1_slot_mismatches"]) == (0, 0, [], 0)
+    assert (
+        g["stray_bytes"],
+        g["foreign_bytes"],
+        g["tiling_problems"],
+        g["ratio1_slot_mismatches"],
+    ) == (0, 0, [], 0)
     # the serving cases ran: freed blocks came back with stale bytes, which vLLM's zeroer cleared
     assert g["reused_blocks"] > 0 and g["stale_bytes_zeroed"] > 0
 
@@ -124,12 +148,14 @@ def test_control_fails_every_case(report):
     g = _geometry(report, "control")
     assert sorted(n for n, c in g["cases"].items() if c["failed"]) == sorted(CASES)
     caught = {row["kernel"] for row in g["rows"] if row["verdict"] == "caught"}
-    assert {"attention decode (FlashInfer SM120 sparse MLA)",
-            "attention prefill (FlashInfer SM120 sparse MLA)",
-            "indexer decode logits + top-k (DeepGEMM paged MQA)",
-            "indexer prefill K gather (cp_gather_indexer_k_quant_cache)",
-            "compressed KV writer (rope_quant_insert)",
-            "indexer K writer (indexer_k_norm_rope_store)"} <= caught
+    assert {
+        "attention decode (FlashInfer SM120 sparse MLA)",
+        "attention prefill (FlashInfer SM120 sparse MLA)",
+        "indexer decode logits + top-k (DeepGEMM paged MQA)",
+        "indexer prefill K gather (cp_gather_indexer_k_quant_cache)",
+        "compressed KV writer (rope_quant_insert)",
+        "indexer K writer (indexer_k_norm_rope_store)",
+    } <= caught
     assert g["ratio1_slot_mismatches"] > 0 and g["foreign_bytes"] > 0
 
 
@@ -181,7 +207,10 @@ def test_split_layout_interleaves_64_row_ratio1_pages(report):
         else:
             assert "kernel block" not in line and line.endswith("page stride 138240"), line
     assert "geometry interleaved-split (default on SM12x" in g["status"]
-    assert "geometry per-ratio (a KV connector is configured" in _geometry(report, "fallback")["status"]
+    assert (
+        "geometry per-ratio (a KV connector is configured"
+        in _geometry(report, "fallback")["status"]
+    )
 
 
 @pytest.mark.vllm_release(*DSV41)
@@ -189,7 +218,10 @@ def test_selftest_times_the_slot_translation_beside_vllms_mapping(report):
     timing = {t["tokens"]: t for t in report["slot_translation_us"]}
     assert set(timing) == {64, 8192}
     for t in timing.values():
-        assert t["per_step_both_ratio1_groups"] > 0 and t["vllm_map_to_kernel_block_table_one_group"] > 0
+        assert (
+            t["per_step_both_ratio1_groups"] > 0
+            and t["vllm_map_to_kernel_block_table_one_group"] > 0
+        )
 
 
 @pytest.mark.vllm_release("0.26.0")
@@ -208,22 +240,38 @@ _SM120 = "include/flashinfer/attention/sparse_mla_sm120/"
 # 0.32.0, 0.7.2.post1 for 0.33.0, 0.7.4 for 0.34.0).  Paths relative to flashinfer/data.
 _FLASHINFER_FACTS = {
     "V4 record: 448 fp8 NoPE + 64 bf16 RoPE; 7 scales of 64 dims; V is the whole row": [
-        {_SM120 + "model/kv_cache_traits.cuh": [
-            "static constexpr int D_NOPE = 448;", "static constexpr int D_ROPE = 64;",
-            "static constexpr int NUM_SCALES = 7;", "static constexpr bool V_HAS_ROPE = true;"]},
-        {_SM120 + "model/dsv4_geometry.cuh": [
-            "static constexpr int D_NOPE = 448;", "static constexpr int D_ROPE = 64;",
-            "static constexpr bool V_HAS_ROPE = true;"],
-         _SM120 + "model/kv_cache_traits.cuh": ["Scales::count(D_NOPE);  // 7 = 448/64"]},
+        {
+            _SM120 + "model/kv_cache_traits.cuh": [
+                "static constexpr int D_NOPE = 448;",
+                "static constexpr int D_ROPE = 64;",
+                "static constexpr int NUM_SCALES = 7;",
+                "static constexpr bool V_HAS_ROPE = true;",
+            ]
+        },
+        {
+            _SM120 + "model/dsv4_geometry.cuh": [
+                "static constexpr int D_NOPE = 448;",
+                "static constexpr int D_ROPE = 64;",
+                "static constexpr bool V_HAS_ROPE = true;",
+            ],
+            _SM120 + "model/kv_cache_traits.cuh": ["Scales::count(D_NOPE);  // 7 = 448/64"],
+        },
     ],
     "data at page + row * 576, footer at page + pbs * 576 + row * 8, page = idx / pbs": [
-        {_SM120 + "common/kv_cache_io.cuh": [
-            "DSV4: IO_STRIDE = D_NOPE + D_ROPE*2 = 576", "int block_idx = idx / pbs;",
-            "(size_t)block_idx * stride_kv_block + (size_t)pbs * IO::IO_STRIDE"]},
-        {_SM120 + "common/kv_cache_io.cuh": [
-            "DSV4: IO_STRIDE = D_NOPE + D_ROPE*2 = 576",
-            "(size_t)(idx / pbs) * kv_stride_bytes + (size_t)(idx % pbs) * IO::IO_STRIDE",
-            "(size_t)pbs * IO::IO_STRIDE +"]},
+        {
+            _SM120 + "common/kv_cache_io.cuh": [
+                "DSV4: IO_STRIDE = D_NOPE + D_ROPE*2 = 576",
+                "int block_idx = idx / pbs;",
+                "(size_t)block_idx * stride_kv_block + (size_t)pbs * IO::IO_STRIDE",
+            ]
+        },
+        {
+            _SM120 + "common/kv_cache_io.cuh": [
+                "DSV4: IO_STRIDE = D_NOPE + D_ROPE*2 = 576",
+                "(size_t)(idx / pbs) * kv_stride_bytes + (size_t)(idx % pbs) * IO::IO_STRIDE",
+                "(size_t)pbs * IO::IO_STRIDE +",
+            ]
+        },
     ],
     "UE8M0 byte e decodes to 2 ** (e - 127)": [
         {_SM120 + "model/scale_convert.cuh": ["static_cast<uint32_t>(v) << 23;"]},
@@ -233,13 +281,20 @@ _FLASHINFER_FACTS = {
         {_SM120 + "execution/merge.cuh": ["total_sum += exp2f(sink_log2 - gmax)"]},
     ],
     "NHD pages: rows = shape[1], page stride = stride(0), footer rows packed at 584": [
-        {"csrc/sparse_mla_sm120_jit_binding.cu": [
-            "return {static_cast<int>(kv.size(1)), static_cast<size_t>(kv.stride(0)) "
-            "* elem_bytes,",
-            "TVM_FFI_ICHECK_EQ(kv_layout.stride_kv_row, bpt)"]},
-        {"csrc/sparse_mla_sm120/attention_validation.h": [
-            "axis = kv.size(1) == 1 ? 2 : 1;", "const int64_t page_stride = kv.stride(0);",
-            "footer-scale rows must stay tightly packed"]},
+        {
+            "csrc/sparse_mla_sm120_jit_binding.cu": [
+                "return {static_cast<int>(kv.size(1)), static_cast<size_t>(kv.stride(0)) "
+                "* elem_bytes,",
+                "TVM_FFI_ICHECK_EQ(kv_layout.stride_kv_row, bpt)",
+            ]
+        },
+        {
+            "csrc/sparse_mla_sm120/attention_validation.h": [
+                "axis = kv.size(1) == 1 ? 2 : 1;",
+                "const int64_t page_stride = kv.stride(0);",
+                "footer-scale rows must stay tightly packed",
+            ]
+        },
     ],
 }
 

@@ -6,6 +6,7 @@ command must pass a server that answers in text, and fail, saying why, on
 U+FFFD output (what the untranslated split serves), empty output, an HTTP
 error, an unhealthy server, a model that is not listed, and no server at all.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 
 @pytest.fixture
 def server(request):
-    proc = subprocess.Popen([sys.executable, str(STUB), request.param], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(STUB), request.param], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(proc.stdout.readline())
         yield f"http://127.0.0.1:{port}"
@@ -35,10 +37,18 @@ def server(request):
 
 
 def smoke(*args: str) -> tuple[int, dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "vllm_mla_fixes", "smoke", *args, "--json"],
-                          capture_output=True, text=True, timeout=300)
-    human = subprocess.run([sys.executable, "-m", "vllm_mla_fixes", "smoke", *args],
-                           capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_mla_fixes", "smoke", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    human = subprocess.run(
+        [sys.executable, "-m", "vllm_mla_fixes", "smoke", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.returncode, json.loads(proc.stdout), human.stdout
 
 
@@ -51,15 +61,21 @@ def test_smoke_passes_a_server_that_answers_in_text(server):
     assert "'17*19 = 323.'" in human and human.rstrip().endswith("verdict: PASS")
 
 
-@pytest.mark.parametrize(("server", "problem"), [
-    ("fffd", "U+FFFD (bytes ef bf bd) in the output"),
-    ("empty", "empty output"),
-    ("error", "HTTP 500: "),
-], indirect=["server"])
+@pytest.mark.parametrize(
+    ("server", "problem"),
+    [
+        ("fffd", "U+FFFD (bytes ef bf bd) in the output"),
+        ("empty", "empty output"),
+        ("error", "HTTP 500: "),
+    ],
+    indirect=["server"],
+)
 def test_smoke_fails_each_exchange_that_is_not_text(server, problem):
     status, report, human = smoke(server)
     assert status == 1 and not report["ok"]
-    assert all(e["problem"] and e["problem"].startswith(problem) for e in report["exchanges"]), report
+    assert all(e["problem"] and e["problem"].startswith(problem) for e in report["exchanges"]), (
+        report
+    )
     assert human.rstrip().endswith("verdict: FAIL")
 
 

@@ -51,7 +51,8 @@ def installed_vllm_version() -> str | None:
     version = getattr(module, "__version__", None)
     if version:
         return str(version)
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     try:
         return dist_version("vllm")
@@ -66,7 +67,9 @@ def register() -> None:
     except Exception as exc:  # the plugin must never take vLLM down
         logging.getLogger("vllm.mla_fixes").warning(
             "vllm-mla-fixes: internal error, no further fixes applied: %s: %s",
-            type(exc).__name__, exc)
+            type(exc).__name__,
+            exc,
+        )
 
 
 def _register() -> None:
@@ -74,15 +77,21 @@ def _register() -> None:
     with _lock:
         selected, unknown = selected_fixes()
         if unknown:
-            log.warning("vllm-mla-fixes: %s names unknown fix(es) %s; known: %s",
-                        ENV_VAR, ", ".join(unknown), ", ".join(FIX_NAMES))
+            log.warning(
+                "vllm-mla-fixes: %s names unknown fix(es) %s; known: %s",
+                ENV_VAR,
+                ", ".join(unknown),
+                ", ".join(FIX_NAMES),
+            )
         version = installed_vllm_version()
         for module in ALL_FIXES:
             name = module.INFO.name
             if name in _results and _results[name].status.state is State.APPLIED:
                 continue
             if name not in selected:
-                _results[name] = AppliedFix(FixStatus(name, State.DISABLED, f"not selected by {ENV_VAR}"))
+                _results[name] = AppliedFix(
+                    FixStatus(name, State.DISABLED, f"not selected by {ENV_VAR}")
+                )
                 continue
             if version is None:
                 _results[name] = AppliedFix(FixStatus(name, State.SKIPPED, "vLLM is not installed"))
@@ -92,8 +101,11 @@ def _register() -> None:
             if result.status.state is State.APPLIED:
                 log.info("vllm-mla-fixes: applied %s (%s)", name, result.status.reason)
             elif result.status.state is State.SKIPPED:
-                log.warning("vllm-mla-fixes: %s not applied, vLLM left untouched: %s",
-                            name, result.status.reason)
+                log.warning(
+                    "vllm-mla-fixes: %s not applied, vLLM left untouched: %s",
+                    name,
+                    result.status.reason,
+                )
 
 
 def status() -> list[FixStatus]:
@@ -105,9 +117,13 @@ def status() -> list[FixStatus]:
 def _status_of(name: str) -> FixStatus:
     result = _results.get(name)
     if result is None:
-        return FixStatus(name, State.SKIPPED, "not evaluated: the plugin has not run in this process")
+        return FixStatus(
+            name, State.SKIPPED, "not evaluated: the plugin has not run in this process"
+        )
     if result.patch is not None and result.patch.failed:
-        return FixStatus(name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was")
+        return FixStatus(
+            name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was"
+        )
     detail = getattr(FIXES_BY_NAME[name], "status_detail", None)
     if result.status.state is State.APPLIED and detail is not None:
         # A fix whose choice is made after register() (e.g. per engine config) says which.

@@ -105,19 +105,28 @@ def release_decision(info: FixInfo, version: str) -> FixStatus | None:
     try:
         release = Version(Version(version).public)
     except InvalidVersion:
-        return FixStatus(info.name, State.SKIPPED,
-                         f"vLLM's version {version!r} is not a PEP 440 version; the release gate cannot place it")
+        return FixStatus(
+            info.name,
+            State.SKIPPED,
+            f"vLLM's version {version!r} is not a PEP 440 version; the release gate cannot place it",
+        )
     if info.fixed_in is not None and release >= Version(info.fixed_in):
         return FixStatus(info.name, State.NOT_NEEDED, f"fixed upstream in vLLM {info.fixed_in}")
     for uncovered in info.not_covered:
         if release_admitted(version, uncovered.specifier):
-            return FixStatus(info.name, State.SKIPPED,
-                             f"bug present in vLLM {version}, not covered here; upgrade to "
-                             f"{info.affected_releases[0]}+ ({uncovered.why})")
+            return FixStatus(
+                info.name,
+                State.SKIPPED,
+                f"bug present in vLLM {version}, not covered here; upgrade to "
+                f"{info.affected_releases[0]}+ ({uncovered.why})",
+            )
     if info.fixed_in is None and release > Version(info.newest_reviewed):
-        return FixStatus(info.name, State.SKIPPED,
-                         f"not reviewed: vLLM {version} is newer than {info.newest_reviewed}, the newest "
-                         "release reviewed for this fix, and the bug is open upstream")
+        return FixStatus(
+            info.name,
+            State.SKIPPED,
+            f"not reviewed: vLLM {version} is newer than {info.newest_reviewed}, the newest "
+            "release reviewed for this fix, and the bug is open upstream",
+        )
     if not info.admits(version):
         return FixStatus(info.name, State.NOT_NEEDED, f"vLLM {version} is outside {info.affected}")
     return None
@@ -154,7 +163,7 @@ def sources_from(root: Path):
         vllm_source.cache_clear()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vllm_source(module_name: str) -> tuple[str, ast.Module]:
     """Text and syntax tree of a vLLM module, read from the installed files
     (or from :func:`sources_from`'s folder) without importing it or its parent
@@ -180,9 +189,15 @@ def find_definition(tree: ast.AST, qualname: str) -> ast.AST | None:
     """The class or function ``qualname`` ("Class.method", "function") in ``tree``."""
     scope = tree
     for part in qualname.split("."):
-        scope = next((node for node in ast.iter_child_nodes(scope)
-                      if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.name == part), None)
+        scope = next(
+            (
+                node
+                for node in ast.iter_child_nodes(scope)
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name == part
+            ),
+            None,
+        )
         if scope is None:
             return None
     return scope
@@ -208,7 +223,8 @@ def require_fingerprint(module_name: str, qualname: str, known: dict[str, str]) 
     if found not in known:
         raise TargetMismatch(
             f"{module_name}.{qualname} has fingerprint {found}, not one of the reviewed "
-            f"versions ({', '.join(sorted(set(known.values()))) or 'none'})")
+            f"versions ({', '.join(sorted(set(known.values()))) or 'none'})"
+        )
 
 
 class Patch:
@@ -257,7 +273,8 @@ class Patch:
                 self.revert()
                 self.failed = f"patching {module_name} failed: {type(exc).__name__}: {exc}"
                 logging.getLogger("vllm.mla_fixes").warning(
-                    "vllm-mla-fixes: %s; the fix is reverted and vLLM left as it was", self.failed)
+                    "vllm-mla-fixes: %s; the fix is reverted and vLLM left as it was", self.failed
+                )
 
         hook = _AfterImport(module_name, callback_or_revert)
         sys.meta_path.insert(0, hook)
@@ -317,8 +334,9 @@ def run_fix(module: ModuleType, vllm_version: str) -> AppliedFix:
     except TargetMismatch as exc:
         return AppliedFix(FixStatus(info.name, State.SKIPPED, f"unexpected target: {exc}"))
     except Exception as exc:  # any surprise: leave vLLM alone
-        return AppliedFix(FixStatus(info.name, State.SKIPPED,
-                                    f"probe failed: {type(exc).__name__}: {exc}"))
+        return AppliedFix(
+            FixStatus(info.name, State.SKIPPED, f"probe failed: {type(exc).__name__}: {exc}")
+        )
     if reason is not None:
         return AppliedFix(FixStatus(info.name, State.NOT_NEEDED, reason))
     patch = Patch()
@@ -326,7 +344,16 @@ def run_fix(module: ModuleType, vllm_version: str) -> AppliedFix:
         module.apply(patch)
     except Exception as exc:
         patch.revert()
-        return AppliedFix(FixStatus(info.name, State.SKIPPED,
-                                    f"apply failed, vLLM left untouched: {type(exc).__name__}: {exc}"))
-    return AppliedFix(FixStatus(info.name, State.APPLIED,
-                                f"vLLM {vllm_version}, upstream {', '.join(info.upstream)}"), patch)
+        return AppliedFix(
+            FixStatus(
+                info.name,
+                State.SKIPPED,
+                f"apply failed, vLLM left untouched: {type(exc).__name__}: {exc}",
+            )
+        )
+    return AppliedFix(
+        FixStatus(
+            info.name, State.APPLIED, f"vLLM {vllm_version}, upstream {', '.join(info.upstream)}"
+        ),
+        patch,
+    )

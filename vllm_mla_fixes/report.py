@@ -3,6 +3,7 @@
 A leaf module (it imports nothing of this package): the fix modules and ``doctor`` both
 import it, and it imports neither.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,13 @@ from packaging.version import InvalidVersion, Version
 
 SPARSE_MLA_ARCHITECTURES = frozenset({"GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"})
 MLA_ARCHITECTURES = SPARSE_MLA_ARCHITECTURES | {
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
-    "KimiK2ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "Mistral3ForConditionalGeneration",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "KimiK2ForCausalLM",
+    "DeepseekV4ForCausalLM",
+    "DeepseekV41ForCausalLM",
+    "Mistral3ForConditionalGeneration",
 }
 
 
@@ -77,19 +83,37 @@ def fix_verdict(env: Environment, name: str) -> Finding:
     """Whether the plugin applies fix ``name`` in this environment, and if not, why."""
     state = env.fix_state(name)
     if state == "applied":
-        return Finding("ok", name, "the fix is applied in this environment", "run the same serve line")
+        return Finding(
+            "ok", name, "the fix is applied in this environment", "run the same serve line"
+        )
     if env.packages.get("vllm-mla-fixes") is None:
-        return Finding("error", name, "vllm-mla-fixes is not installed where vLLM runs", install_advice())
+        return Finding(
+            "error", name, "vllm-mla-fixes is not installed where vLLM runs", install_advice()
+        )
     if env.vllm_plugins is not None and "mla_fixes" not in env.vllm_plugins.split(","):
-        return Finding("error", name, f"VLLM_PLUGINS={env.vllm_plugins!r} does not name mla_fixes, "
-                       "so vLLM never loads the fix", plugins_advice(env.vllm_plugins))
+        return Finding(
+            "error",
+            name,
+            f"VLLM_PLUGINS={env.vllm_plugins!r} does not name mla_fixes, "
+            "so vLLM never loads the fix",
+            plugins_advice(env.vllm_plugins),
+        )
     if state == "not-needed":
-        return Finding("info", name, f"the plugin does not apply the fix in this process "
-                       f"(not-needed: {env.fix_reason(name)}); each vLLM process decides again on "
-                       "its own GPU", "run doctor on the serving node to see the decision there")
+        return Finding(
+            "info",
+            name,
+            f"the plugin does not apply the fix in this process "
+            f"(not-needed: {env.fix_reason(name)}); each vLLM process decides again on "
+            "its own GPU",
+            "run doctor on the serving node to see the decision there",
+        )
     described = f"{state}: {env.fix_reason(name)}" if state else "not evaluated"
-    return Finding("error", name, f"the fix is not applied here: {described}",
-                   "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix")
+    return Finding(
+        "error",
+        name,
+        f"the fix is not applied here: {described}",
+        "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix",
+    )
 
 
 def release_finding(name: str, decided, newest_reviewed: str) -> Finding:
@@ -100,9 +124,13 @@ def release_finding(name: str, decided, newest_reviewed: str) -> Finding:
         return Finding("ok", name, f"not needed: {decided.reason}")
     advice = ""
     if decided.reason.startswith("not reviewed"):
-        advice = (f"serve with vLLM {newest_reviewed}, the newest release reviewed for this fix, or "
-                  "with a vllm-mla-fixes that has reviewed this release")
-    return Finding("warn", name, f"skipped: {decided.reason}; the plugin leaves vLLM untouched here", advice)
+        advice = (
+            f"serve with vLLM {newest_reviewed}, the newest release reviewed for this fix, or "
+            "with a vllm-mla-fixes that has reviewed this release"
+        )
+    return Finding(
+        "warn", name, f"skipped: {decided.reason}; the plugin leaves vLLM untouched here", advice
+    )
 
 
 def install_advice() -> str:

@@ -17,6 +17,7 @@ its newest reviewed release while the bug is open), 2 the review could not run
 (bad arguments, no such release, network).  Changes in fixes whose gate rules
 the release out (below the range, fixed upstream) are listed, not counted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,7 +88,9 @@ def reviewed_modules() -> set[str]:
 def unpacked_sources(wheel_file: Path, modules: Iterable[str]) -> Iterator[Path]:
     """A temporary folder holding the source files of ``modules`` from the
     wheel (unpacking all ~3,500 of vLLM's would take seconds)."""
-    wanted = {f"{'/'.join(m.split('.'))}{tail}" for m in modules for tail in (".py", "/__init__.py")}
+    wanted = {
+        f"{'/'.join(m.split('.'))}{tail}" for m in modules for tail in (".py", "/__init__.py")
+    }
     with tempfile.TemporaryDirectory(prefix="vllm-review-") as folder:
         try:
             with zipfile.ZipFile(wheel_file) as archive:
@@ -199,8 +202,11 @@ def review_fix(module: ModuleType, version: str, against: str | None) -> FixRevi
     checks = []
     for (mod, qualname), known in module.REVIEWED.items():
         reference, reference_release = _reference(known, against)
-        checks.append(DefinitionCheck(mod, qualname, _fingerprint_or_none(mod, qualname),
-                                      reference, reference_release))
+        checks.append(
+            DefinitionCheck(
+                mod, qualname, _fingerprint_or_none(mod, qualname), reference, reference_release
+            )
+        )
     screen, holds = _screen(module)
     return FixReview(module.INFO.name, decision, in_scope, checks, screen, holds)
 
@@ -212,35 +218,58 @@ def _source_lines(module: str, qualname: str) -> list[str]:
         return []
 
 
-def add_diffs(reviews: list[FixReview], version: str, new_root: Path, index_url: str,
-              log: Callable[[str], None]) -> None:
+def add_diffs(
+    reviews: list[FixReview],
+    version: str,
+    new_root: Path,
+    index_url: str,
+    log: Callable[[str], None],
+) -> None:
     """Diff each changed or missing definition of an in-scope fix against its
     reference release's source (that wheel is fetched once)."""
-    wanted = [d for r in reviews if r.in_scope for d in r.definitions
-              if d.state in ("changed", "missing") and d.reference_release]
+    wanted = [
+        d
+        for r in reviews
+        if r.in_scope
+        for d in r.definitions
+        if d.state in ("changed", "missing") and d.reference_release
+    ]
     for release in sorted({d.reference_release for d in wanted}, key=Version):
         group = [d for d in wanted if d.reference_release == release]
-        with unpacked_sources(fetch(release, index_url, log), {d.module for d in group}) as old_root, \
-                patching.sources_from(old_root):
+        with (
+            unpacked_sources(fetch(release, index_url, log), {d.module for d in group}) as old_root,
+            patching.sources_from(old_root),
+        ):
             old = {d.name: _source_lines(d.module, d.qualname) for d in group}
             for d in group:  # the registry must describe the release it names
                 reviewed = _fingerprint_or_none(d.module, d.qualname)
                 if reviewed not in d.reference:
-                    d.note = (f"registry error: {release}'s wheel has fingerprint {reviewed}, "
-                              f"not one the registry lists for {release}")
+                    d.note = (
+                        f"registry error: {release}'s wheel has fingerprint {reviewed}, "
+                        f"not one the registry lists for {release}"
+                    )
         with patching.sources_from(new_root):
             for d in group:
-                d.diff = "".join(difflib.unified_diff(
-                    old[d.name], _source_lines(d.module, d.qualname),
-                    f"{release}/{d.name}", f"{version}/{d.name}"))
+                d.diff = "".join(
+                    difflib.unified_diff(
+                        old[d.name],
+                        _source_lines(d.module, d.qualname),
+                        f"{release}/{d.name}",
+                        f"{version}/{d.name}",
+                    )
+                )
 
 
 # -- the command ----------------------------------------------------------------------
 
 
-def report(reviews: list[FixReview], version: str, wheel_name: str, against: str | None) -> list[str]:
-    lines = [f"vLLM {version} ({wheel_name}), compared with the fixes' reviewed definitions"
-             + (f" as of {against}" if against else "")]
+def report(
+    reviews: list[FixReview], version: str, wheel_name: str, against: str | None
+) -> list[str]:
+    lines = [
+        f"vLLM {version} ({wheel_name}), compared with the fixes' reviewed definitions"
+        + (f" as of {against}" if against else "")
+    ]
     for r in reviews:
         scope = "in scope" if r.in_scope else "out of scope: listed, not counted"
         lines += ["", f"{r.name}: {r.gate}  [{scope}]", "  reviewed definitions:"]
@@ -252,27 +281,45 @@ def report(reviews: list[FixReview], version: str, wheel_name: str, against: str
             if d.note:
                 lines.append(f"  {d.name}: {d.note}")
             if d.diff:
-                lines += [f"  diff of {d.name} against {d.reference_release}:",
-                          *(f"    {line}" for line in d.diff.rstrip("\n").split("\n"))]
+                lines += [
+                    f"  diff of {d.name} against {d.reference_release}:",
+                    *(f"    {line}" for line in d.diff.rstrip("\n").split("\n")),
+                ]
     findings = [f"{r.name}: {f}" for r in reviews for f in r.findings()]
     lines.append("")
     if findings:
-        lines += [f"NEEDS REVIEW: {len(findings)} finding(s) for vLLM {version}:",
-                  *(f"  - {f}" for f in findings)]
+        lines += [
+            f"NEEDS REVIEW: {len(findings)} finding(s) for vLLM {version}:",
+            *(f"  - {f}" for f in findings),
+        ]
     else:
-        lines.append(f"nothing to review: every fix in scope of vLLM {version} finds its reviewed code")
+        lines.append(
+            f"nothing to review: every fix in scope of vLLM {version} finds its reviewed code"
+        )
     return lines
 
 
-def run(release: str | None, wheel_path: str | None, against: str | None, index_url: str,
-        print_: Callable[[str], None] = print,
-        log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> int:
+def run(
+    release: str | None,
+    wheel_path: str | None,
+    against: str | None,
+    index_url: str,
+    print_: Callable[[str], None] = print,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> int:
     try:
-        reviewed = {r for m in ALL_FIXES for known in m.REVIEWED.values()
-                    for rel in known.values() for r in _releases(rel)}
+        reviewed = {
+            r
+            for m in ALL_FIXES
+            for known in m.REVIEWED.values()
+            for rel in known.values()
+            for r in _releases(rel)
+        }
         if against is not None and against not in reviewed:
-            raise ReviewError(f"--against {against}: no fix has definitions reviewed in that "
-                              f"release (reviewed: {', '.join(sorted(reviewed, key=Version))})")
+            raise ReviewError(
+                f"--against {against}: no fix has definitions reviewed in that "
+                f"release (reviewed: {', '.join(sorted(reviewed, key=Version))})"
+            )
         if wheel_path:
             source = Path(wheel_path)
             if not source.is_file():
@@ -289,8 +336,9 @@ def run(release: str | None, wheel_path: str | None, against: str | None, index_
             try:
                 Version(version)
             except InvalidVersion as exc:
-                raise ReviewError(f"--vllm {version!r} is not a release number (e.g. 0.34.0) "
-                                  "or 'latest'") from exc
+                raise ReviewError(
+                    f"--vllm {version!r} is not a release number (e.g. 0.34.0) or 'latest'"
+                ) from exc
             source = fetch(version, index_url, log)
         with unpacked_sources(source, reviewed_modules()) as root:
             with patching.sources_from(root):

@@ -19,6 +19,7 @@ stored (``None`` = the bug's code is there, or the reason it is not); a screen
 that raises is never cached.  Any problem with the cache directory (read-only
 home, corrupt entry) falls back to running the screen.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -68,14 +69,18 @@ def screen_key(fix: ModuleType) -> str:
 
     modules = sorted({module for module, _ in fix.REVIEWED})
     own = [Path(fix.__file__), Path(patching.__file__)]
-    return _digest([*own, *(source_file(m) for m in modules)],
-                   [fix.__name__, patching.__name__, *modules], extra=_constants(fix))
+    return _digest(
+        [*own, *(source_file(m) for m in modules)],
+        [fix.__name__, patching.__name__, *modules],
+        extra=_constants(fix),
+    )
 
 
 def _constants(fix: ModuleType) -> str:
     """The fix module's upper-case constants as in force in this process
     (``REVIEWED``, reviewed signatures, ...), in a form stable across
     processes: a runtime change to one is a different key."""
+
     def canonical(value):
         if isinstance(value, (set, frozenset)):  # iteration order varies with hash seeds
             return sorted((canonical(v) for v in value), key=repr)
@@ -85,15 +90,23 @@ def _constants(fix: ModuleType) -> str:
             return [canonical(v) for v in value]
         return value
 
-    return repr([(name, canonical(value)) for name, value in sorted(vars(fix).items())
-                 if name.isupper() and isinstance(value, (str, int, float, tuple, list, set, frozenset, dict))])
+    return repr(
+        [
+            (name, canonical(value))
+            for name, value in sorted(vars(fix).items())
+            if name.isupper()
+            and isinstance(value, (str, int, float, tuple, list, set, frozenset, dict))
+        ]
+    )
 
 
 def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
     """``screen()``'s verdict, from the cache when the key matches."""
     from vllm_mla_fixes import patching
 
-    if patching._source_root is not None:  # screening another tree (review): not the installed files
+    if (
+        patching._source_root is not None
+    ):  # screening another tree (review): not the installed files
         return screen()
     try:
         key = screen_key(fix)

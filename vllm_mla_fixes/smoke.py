@@ -45,16 +45,31 @@ class SmokeResult:
         return not self.problems and all(e.problem is None for e in self.exchanges)
 
     def as_json(self) -> dict:
-        return {"url": self.url, "model": self.model, "ok": self.ok, "problems": self.problems,
-                "exchanges": [{"kind": e.kind, "prompt": e.prompt, "stream": e.stream,
-                               "text": e.text, "problem": e.problem} for e in self.exchanges]}
+        return {
+            "url": self.url,
+            "model": self.model,
+            "ok": self.ok,
+            "problems": self.problems,
+            "exchanges": [
+                {
+                    "kind": e.kind,
+                    "prompt": e.prompt,
+                    "stream": e.stream,
+                    "text": e.text,
+                    "problem": e.problem,
+                }
+                for e in self.exchanges
+            ],
+        }
 
     def text(self) -> str:
         lines = [f"smoke {self.url} model {self.model or '?'}"]
         lines += [f"  FAIL {p}" for p in self.problems]
         for e in self.exchanges:
-            lines.append(f"  {'ok  ' if e.problem is None else 'FAIL'} {e.label}: "
-                         f"{e.problem + ': ' if e.problem else ''}{e.text!r}")
+            lines.append(
+                f"  {'ok  ' if e.problem is None else 'FAIL'} {e.label}: "
+                f"{e.problem + ': ' if e.problem else ''}{e.text!r}"
+            )
         lines.append("verdict: " + ("PASS" if self.ok else "FAIL"))
         return "\n".join(lines)
 
@@ -69,8 +84,12 @@ class _Client:
 
     def request(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, headers=self.headers,
-                                     method="GET" if body is None else "POST")
+        req = urllib.request.Request(
+            self.base + path,
+            data=data,
+            headers=self.headers,
+            method="GET" if body is None else "POST",
+        )
         return urllib.request.urlopen(req, timeout=self.timeout)
 
 
@@ -91,8 +110,9 @@ def _text_of(choice: dict, kind: str, stream: bool) -> str:
     return (part.get("reasoning_content") or "") + (part.get("content") or "")
 
 
-def _exchange(client: _Client, model: str, kind: str, prompt: str, stream: bool,
-              max_tokens: int) -> Exchange:
+def _exchange(
+    client: _Client, model: str, kind: str, prompt: str, stream: bool, max_tokens: int
+) -> Exchange:
     exchange = Exchange(kind, prompt, stream)
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if kind == "chat":
@@ -111,7 +131,7 @@ def _exchange(client: _Client, model: str, kind: str, prompt: str, stream: bool,
                     line = line.strip()
                     if not line.startswith(b"data:"):
                         continue
-                    payload = line[len(b"data:"):].strip()
+                    payload = line[len(b"data:") :].strip()
                     if payload == b"[DONE]":
                         break
                     event = json.loads(payload)
@@ -133,8 +153,13 @@ def _exchange(client: _Client, model: str, kind: str, prompt: str, stream: bool,
     return exchange
 
 
-def run(url: str, model: str | None = None, max_tokens: int = 32, api_key: str | None = None,
-        timeout: float = 120.0) -> SmokeResult:
+def run(
+    url: str,
+    model: str | None = None,
+    max_tokens: int = 32,
+    api_key: str | None = None,
+    timeout: float = 120.0,
+) -> SmokeResult:
     client = _Client(url, api_key, timeout)
     result = SmokeResult(client.base)
     try:

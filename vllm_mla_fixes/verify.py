@@ -7,6 +7,7 @@ Each fix that the installed release is affected by contributes verifiers
 DeepSeek-V4.1 the self-test); ``report`` prints one line.  A verifier applies its own fix with the plugin's mechanism
 and reverts it before returning.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,8 +21,10 @@ VERIFIERS = {
     "fp8-ds-mla-reshape": ("vllm_mla_fixes.reproductions.fp8_ds_mla",),
     "fa4-compile-strides": ("vllm_mla_fixes.reproductions.fa4_compile_strides",),
     # the failures reproduced and fixed, then the fixed layout read back by the self-test
-    "dsv41-sm120-geometry": ("vllm_mla_fixes.reproductions.dsv41_sm120_geometry",
-                             "vllm_mla_fixes.selftest"),
+    "dsv41-sm120-geometry": (
+        "vllm_mla_fixes.reproductions.dsv41_sm120_geometry",
+        "vllm_mla_fixes.selftest",
+    ),
 }
 
 
@@ -29,8 +32,10 @@ def run(report: Callable[[str], None] = print) -> int:
     """Exit status: 0 if every relevant failure reproduced and was fixed."""
     version = installed_vllm_version()
     if version is None:
-        report("vLLM is not installed in this environment; install the vLLM release "
-               "you serve with, then run verify again.")
+        report(
+            "vLLM is not installed in this environment; install the vLLM release "
+            "you serve with, then run verify again."
+        )
         return 1
     report(f"vLLM {version}")
     results = []

@@ -13,6 +13,7 @@ package index and checked against the index's published sha256) and writes
 It needs only the standard library and ``packaging`` (a dependency of this
 package), so it runs in any environment that has vllm-mla-fixes.
 """
+
 from __future__ import annotations
 
 import base64
@@ -55,8 +56,10 @@ def _index_files(index_url: str, project: str = "vllm") -> list[dict]:
         with urllib.request.urlopen(request, timeout=60) as response:
             page = json.load(response)
     except (OSError, ValueError) as exc:
-        raise WheelBuildError(f"cannot read the package index at {url}: {exc}. Download the "
-                              f"wheel yourself and pass --vllm-wheel PATH.") from exc
+        raise WheelBuildError(
+            f"cannot read the package index at {url}: {exc}. Download the "
+            f"wheel yourself and pass --vllm-wheel PATH."
+        ) from exc
     return page.get("files", [])
 
 
@@ -74,8 +77,10 @@ def _pick_wheel(files: list[dict], release: str) -> dict:
     for tag in sys_tags():
         if tag in candidates:
             return candidates[tag]
-    raise WheelBuildError(f"the index has no vLLM {release} wheel for this platform "
-                          f"(found: {sorted({e['filename'] for e in candidates.values()}) or 'none'})")
+    raise WheelBuildError(
+        f"the index has no vLLM {release} wheel for this platform "
+        f"(found: {sorted({e['filename'] for e in candidates.values()}) or 'none'})"
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -92,8 +97,10 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
     entry = _pick_wheel(_index_files(index_url), release)
     expected = (entry.get("hashes") or {}).get("sha256")
     if not expected:
-        raise WheelBuildError(f"the index publishes no sha256 for {entry['filename']}; refusing "
-                              "an unverifiable download")
+        raise WheelBuildError(
+            f"the index publishes no sha256 for {entry['filename']}; refusing "
+            "an unverifiable download"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / entry["filename"]
     if not (target.exists() and _sha256(target) == expected):
@@ -104,8 +111,10 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
         found = _sha256(partial)
         if found != expected:
             partial.unlink()
-            raise WheelBuildError(f"sha256 mismatch for {entry['filename']}: the index publishes "
-                                  f"{expected}, the download is {found}. Refusing to build from it.")
+            raise WheelBuildError(
+                f"sha256 mismatch for {entry['filename']}: the index publishes "
+                f"{expected}, the download is {found}. Refusing to build from it."
+            )
         partial.replace(target)
     return target
 
@@ -114,7 +123,11 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
 
 
 def _patched_version(upstream: Version, build_number: int) -> str:
-    local = f"{upstream.local}.mlafixes.{build_number}" if upstream.local else f"mlafixes.{build_number}"
+    local = (
+        f"{upstream.local}.mlafixes.{build_number}"
+        if upstream.local
+        else f"mlafixes.{build_number}"
+    )
     return f"{upstream.public}+{local}"
 
 
@@ -131,8 +144,10 @@ def _with_entry_points(text: str) -> str:
             sections[current].append(line.strip())
     sections.setdefault("console_scripts", []).append(SCRIPT_ENTRY)
     sections.setdefault("vllm.general_plugins", []).append(PLUGIN_ENTRY)
-    return "".join(f"[{name}]\n" + "".join(f"{l}\n" for l in lines) + "\n"
-                   for name, lines in sections.items())
+    return "".join(
+        f"[{name}]\n" + "".join(f"{line}\n" for line in lines) + "\n"
+        for name, lines in sections.items()
+    )
 
 
 def _with_version(metadata: str, new_version: str) -> str:
@@ -143,7 +158,7 @@ def _with_version(metadata: str, new_version: str) -> str:
             break
         if not line:  # end of headers
             raise WheelBuildError("METADATA has no Version header")
-    if not any(re.match(r"Requires-Dist: packaging\b", l) for l in lines):
+    if not any(re.match(r"Requires-Dist: packaging\b", line) for line in lines):
         header_end = lines.index("") if "" in lines else len(lines)
         lines.insert(header_end, "Requires-Dist: packaging>=23")
     return "\n".join(lines)
@@ -153,9 +168,14 @@ def _package_files() -> list[tuple[str, bytes]]:
     """This package's own files, as they are installed or checked out."""
     files = []
     for path in sorted(PACKAGE_DIR.rglob("*")):
-        if path.is_file() and (path.suffix == ".py" or path.suffix == ".json") \
-                and "__pycache__" not in path.parts:
-            files.append((f"vllm_mla_fixes/{path.relative_to(PACKAGE_DIR).as_posix()}", path.read_bytes()))
+        if (
+            path.is_file()
+            and (path.suffix == ".py" or path.suffix == ".json")
+            and "__pycache__" not in path.parts
+        ):
+            files.append(
+                (f"vllm_mla_fixes/{path.relative_to(PACKAGE_DIR).as_posix()}", path.read_bytes())
+            )
     return files
 
 
@@ -173,9 +193,11 @@ def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
     if name != "vllm":
         raise WheelBuildError(f"{upstream_wheel.name} is not a vLLM wheel")
     if "mlafixes" in str(upstream_version):
-        raise WheelBuildError(f"{upstream_wheel.name} is already patched; start from upstream's wheel")
+        raise WheelBuildError(
+            f"{upstream_wheel.name} is already patched; start from upstream's wheel"
+        )
     new_version = _patched_version(upstream_version, build_number)
-    tags = upstream_wheel.name[:-len(".whl")].split("-", 2)[2]
+    tags = upstream_wheel.name[: -len(".whl")].split("-", 2)[2]
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"vllm-{new_version}-{tags}.whl"
     try:
@@ -186,7 +208,9 @@ def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
     return target
 
 
-def _write_patched(upstream_wheel: Path, target: Path, upstream_version: Version, new_version: str) -> None:
+def _write_patched(
+    upstream_wheel: Path, target: Path, upstream_version: Version, new_version: str
+) -> None:
     old_info = f"vllm-{upstream_version}.dist-info/"
     new_info = f"vllm-{new_version}.dist-info/"
     try:
@@ -195,8 +219,11 @@ def _write_patched(upstream_wheel: Path, target: Path, upstream_version: Version
         raise WheelBuildError(f"{upstream_wheel} is not a valid wheel (zip) file: {exc}") from exc
     record: list[tuple[str, str, str]] = []
     with source, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as patched:
+
         def store(arcname: str, data: bytes, like: zipfile.ZipInfo | None = None) -> None:
-            entry = zipfile.ZipInfo(arcname, date_time=like.date_time if like else (1980, 1, 1, 0, 0, 0))
+            entry = zipfile.ZipInfo(
+                arcname, date_time=like.date_time if like else (1980, 1, 1, 0, 0, 0)
+            )
             entry.external_attr = like.external_attr if like else 0o644 << 16
             entry.compress_type = zipfile.ZIP_DEFLATED
             patched.writestr(entry, data)
@@ -213,8 +240,8 @@ def _write_patched(upstream_wheel: Path, target: Path, upstream_version: Version
             data = source.read(info)
             arcname = info.filename
             if arcname.startswith(old_info):
-                arcname = new_info + arcname[len(old_info):]
-                leaf = arcname[len(new_info):]
+                arcname = new_info + arcname[len(old_info) :]
+                leaf = arcname[len(new_info) :]
                 if leaf == "METADATA":
                     data = _with_version(data.decode(), new_version).encode()
                 elif leaf == "entry_points.txt":
@@ -231,8 +258,14 @@ def _write_patched(upstream_wheel: Path, target: Path, upstream_version: Version
         patched.writestr(new_info + "RECORD", text.getvalue())
 
 
-def run(vllm_wheel: str | None, vllm_release: str | None, out_dir: str, build_number: int,
-        index_url: str, print_=print) -> int:
+def run(
+    vllm_wheel: str | None,
+    vllm_release: str | None,
+    out_dir: str,
+    build_number: int,
+    index_url: str,
+    print_=print,
+) -> int:
     try:
         if vllm_wheel:
             source = Path(vllm_wheel)

@@ -14,6 +14,7 @@ runner promises (``9`` an H100/H200, ``10`` a B200/GB200, ``12`` an RTX PRO
 
 Without the variable (a developer's machine, CPU CI) skips stay skips.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def declared_gpu_major() -> int | None:
     if not value:
         return None
     if not value.isdigit():
-        raise pytest.UsageError(f"{EXPECT_GPU_ENV}={value!r}: expected a compute-capability "
-                                f"major such as 9, 10 or 12")
+        raise pytest.UsageError(
+            f"{EXPECT_GPU_ENV}={value!r}: expected a compute-capability major such as 9, 10 or 12"
+        )
     return int(value)
 
 
@@ -47,7 +49,7 @@ def skip_is_failure(reason: str, declared: int | None) -> bool:
     # is there is not the one the runner declared.
     prefix = "this GPU is SM"
     if reason.startswith(prefix):
-        found = reason[len(prefix):].split(";", 1)[0]  # major and one-digit minor, e.g. "120"
+        found = reason[len(prefix) :].split(";", 1)[0]  # major and one-digit minor, e.g. "120"
         return found[:-1] != str(declared)
     return False
 
@@ -62,8 +64,10 @@ def pytest_runtest_makereport(item, call):
     declared = declared_gpu_major()
     if skip_is_failure(reason, declared):
         report.outcome = "failed"
-        report.longrepr = (f"{EXPECT_GPU_ENV}={declared} declares an SM{declared}x GPU on this "
-                           f"runner, but the test skipped: {reason}")
+        report.longrepr = (
+            f"{EXPECT_GPU_ENV}={declared} declares an SM{declared}x GPU on this "
+            f"runner, but the test skipped: {reason}"
+        )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -74,7 +78,9 @@ def pytest_sessionfinish(session, exitstatus):
     passed = len(reporter.stats.get("passed", [])) if reporter is not None else 0
     if passed == 0:
         if reporter is not None:
-            reporter.write_line(f"{EXPECT_GPU_ENV}={declared}: no GPU test passed in this "
-                                f"session; a runner that declares its GPU must pass at least one",
-                                red=True)
+            reporter.write_line(
+                f"{EXPECT_GPU_ENV}={declared}: no GPU test passed in this "
+                f"session; a runner that declares its GPU must pass at least one",
+                red=True,
+            )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

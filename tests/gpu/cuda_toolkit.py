@@ -13,10 +13,10 @@ of two links (``libcudart.so`` to the wheel's, ``libcuda.so`` to the driver's
 
     python tests/gpu/cuda_toolkit.py      # run with the environment's python
 """
+
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -31,8 +31,9 @@ def locked_toolkit() -> Path | None:
 def driver_library() -> str | None:
     """Path of the driver's libcuda.so.1 as the dynamic loader knows it."""
     try:
-        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True,
-                                 check=False).stdout
+        listing = subprocess.run(
+            ["ldconfig", "-p"], capture_output=True, text=True, check=False
+        ).stdout
     except OSError:
         return None
     for line in listing.splitlines():
@@ -56,8 +57,11 @@ def toolkit_env(link_dir: Path) -> dict[str, str]:
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(target)
-    return {"CUDA_HOME": str(toolkit), "CUDA_TOOLKIT_BIN": str(toolkit / "bin"),
-            "FLASHINFER_EXTRA_LDFLAGS": f"-L{link_dir} -L{toolkit / 'lib'}"}
+    return {
+        "CUDA_HOME": str(toolkit),
+        "CUDA_TOOLKIT_BIN": str(toolkit / "bin"),
+        "FLASHINFER_EXTRA_LDFLAGS": f"-L{link_dir} -L{toolkit / 'lib'}",
+    }
 
 
 if __name__ == "__main__":

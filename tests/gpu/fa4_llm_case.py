@@ -15,6 +15,7 @@ on success.
 
     python tests/gpu/fa4_llm_case.py --model DIR [--kernel-config JSON]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,16 @@ import random
 PROMPT_LENS = (8500, 8700, 9100, 9500, 10000, 300, 8300)
 MAX_TOKENS = 8
 ENGINE_OPTIONS = dict(
-    load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=10240,
-    max_num_batched_tokens=8192, max_num_seqs=1, enable_prefix_caching=False,
-    gpu_memory_utilization=0.5, attention_config={"mla_prefill_backend": "FLASH_ATTN"})
+    load_format="dummy",
+    skip_tokenizer_init=True,
+    dtype="bfloat16",
+    max_model_len=10240,
+    max_num_batched_tokens=8192,
+    max_num_seqs=1,
+    enable_prefix_caching=False,
+    gpu_memory_utilization=0.5,
+    attention_config={"mla_prefill_backend": "FLASH_ATTN"},
+)
 
 
 def prompt_token_ids() -> list[list[int]]:
@@ -48,11 +56,19 @@ def main() -> None:
         options["kernel_config"] = json.loads(args.kernel_config)
     llm = LLM(**options)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids()]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                   detokenize=False))
-    print("RESULT=" + json.dumps({
-        "prompt_lens": [len(o.prompt_token_ids) for o in outputs],
-        "output_lens": [len(o.outputs[0].token_ids) for o in outputs]}), flush=True)
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    )
+    print(
+        "RESULT="
+        + json.dumps(
+            {
+                "prompt_lens": [len(o.prompt_token_ids) for o in outputs],
+                "output_lens": [len(o.outputs[0].token_ids) for o in outputs],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

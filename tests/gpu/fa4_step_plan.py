@@ -15,6 +15,7 @@ Needs ``CUDA_VISIBLE_DEVICES=""``.  Prints one JSON line.
 
     python tests/gpu/fa4_step_plan.py [--max-num-seqs N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,13 +53,16 @@ def scheduled_context_chunks(max_num_seqs: int) -> list[dict]:
     config = EngineArgs(model=str(MODEL), **options).create_engine_config()
     config.cache_config.num_gpu_blocks = 4096
     block_size = config.cache_config.block_size
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576,
-                             dtype=torch.bfloat16)
-    kv_cache_config = KVCacheConfig(num_blocks=4096, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)])
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)]
+    )
     scheduler_cls = config.scheduler_config.get_scheduler_cls()
-    scheduler = scheduler_cls(config, kv_cache_config, StructuredOutputManager(config),
-                              block_size=block_size)
+    scheduler = scheduler_cls(
+        config, kv_cache_config, StructuredOutputManager(config), block_size=block_size
+    )
     params = SamplingParams(max_tokens=fa4_llm_case.MAX_TOKENS, ignore_eos=True)
     for i, ids in enumerate(fa4_llm_case.prompt_token_ids()):
         scheduler.add_request(Request(str(i), ids, params, None))
@@ -70,25 +74,42 @@ def scheduled_context_chunks(max_num_seqs: int) -> list[dict]:
         counts = out.num_scheduled_tokens
         # num_computed_tokens is already advanced by this step's schedule()
         before = {rid: scheduler.requests[rid].num_computed_tokens - n for rid, n in counts.items()}
-        prefills = [rid for rid in counts
-                    if before[rid] < scheduler.requests[rid].num_prompt_tokens]
+        prefills = [
+            rid for rid in counts if before[rid] < scheduler.requests[rid].num_prompt_tokens
+        ]
         with_context = [rid for rid in prefills if before[rid] > 0]
         if with_context:
-            chunks.append({"step": step, "scheduler": scheduler_cls.__name__,
-                           "q_lens": [counts[rid] for rid in prefills],
-                           "ctx_lens": [before[rid] for rid in prefills]})
-        sampled = [[7] if scheduler.requests[rid].num_computed_tokens
-                   >= scheduler.requests[rid].num_prompt_tokens else [] for rid in counts]
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=list(counts), req_id_to_index={rid: i for i, rid in enumerate(counts)},
-            sampled_token_ids=sampled))
+            chunks.append(
+                {
+                    "step": step,
+                    "scheduler": scheduler_cls.__name__,
+                    "q_lens": [counts[rid] for rid in prefills],
+                    "ctx_lens": [before[rid] for rid in prefills],
+                }
+            )
+        sampled = [
+            [7]
+            if scheduler.requests[rid].num_computed_tokens
+            >= scheduler.requests[rid].num_prompt_tokens
+            else []
+            for rid in counts
+        ]
+        scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=list(counts),
+                req_id_to_index={rid: i for i, rid in enumerate(counts)},
+                sampled_token_ids=sampled,
+            ),
+        )
     return chunks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-num-seqs", type=int,
-                        default=fa4_llm_case.ENGINE_OPTIONS["max_num_seqs"])
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=fa4_llm_case.ENGINE_OPTIONS["max_num_seqs"]
+    )
     args = parser.parse_args()
     chunks = scheduled_context_chunks(args.max_num_seqs)
 
@@ -104,9 +125,19 @@ def main() -> None:
             chunk["num_splits"] = decision.num_splits
             chunk["total_q"] = sum(chunk["q_lens"])
         probed = call_probes.read_log(os.environ[call_probes.LOG_ENV])
-    print(json.dumps({"chunks": chunks, "warmup_q": warmup_q,
-                      "probe": [{k: r.get(k) for k in ("total_q", "num_splits", "compile_only")}
-                                for r in probed if r.get("probe") == "fa4"]}))
+    print(
+        json.dumps(
+            {
+                "chunks": chunks,
+                "warmup_q": warmup_q,
+                "probe": [
+                    {k: r.get(k) for k in ("total_q", "num_splits", "compile_only")}
+                    for r in probed
+                    if r.get("probe") == "fa4"
+                ],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ wheels need, another GPU); without it, only reports.
 
     python tests/gpu/preflight.py
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,11 @@ def problems(declared: int) -> tuple[list[str], list[str]]:
     if smi is None:
         wrong.append("nvidia-smi is not on PATH: no NVIDIA driver in this job")
     else:
-        query = subprocess.run([smi, "--query-gpu=name,compute_cap,driver_version",
-                                "--format=csv,noheader"], capture_output=True, text=True)
+        query = subprocess.run(
+            [smi, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
         if query.returncode != 0:
             wrong.append(f"nvidia-smi failed: {(query.stderr or query.stdout).strip()}")
         else:
@@ -38,8 +42,10 @@ def problems(declared: int) -> tuple[list[str], list[str]]:
     if cuda:
         need = MIN_DRIVER_FOR_CUDA_MAJOR.get(int(cuda.split(".")[0]))
         if need and driver is not None and driver < need:
-            wrong.append(f"driver R{driver} is older than R{need}, which torch's CUDA {cuda} needs: "
-                         f"update the runner's driver")
+            wrong.append(
+                f"driver R{driver} is older than R{need}, which torch's CUDA {cuda} needs: "
+                f"update the runner's driver"
+            )
     if not torch.cuda.is_available():
         wrong.append("torch.cuda.is_available() is False")
     else:

@@ -1,4 +1,5 @@
 """Run ``vllm serve`` on a tiny dummy-weight model and talk to it (GPU tests only)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,11 +24,15 @@ def require_gpu(*majors: int, why: str) -> tuple[int, int]:
     except ImportError:
         pytest.skip("torch is not installed")
     if not torch.cuda.is_available():
-        pytest.skip(f"needs a CUDA GPU with compute capability {'/'.join(f'{m}.x' for m in majors)}: {why}")
+        pytest.skip(
+            f"needs a CUDA GPU with compute capability {'/'.join(f'{m}.x' for m in majors)}: {why}"
+        )
     capability = torch.cuda.get_device_capability()
     if capability[0] not in majors:
-        pytest.skip(f"this GPU is SM{capability[0]}{capability[1]}; needs "
-                    f"{'/'.join(f'SM{m}x' for m in majors)}: {why}")
+        pytest.skip(
+            f"this GPU is SM{capability[0]}{capability[1]}; needs "
+            f"{'/'.join(f'SM{m}x' for m in majors)}: {why}"
+        )
     return capability
 
 
@@ -71,17 +76,31 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, args: list[str], env: dict[str, str], log_path: Path,
-                   startup_timeout: float = 900):
+def running_server(
+    model_dir: Path,
+    args: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    startup_timeout: float = 900,
+):
     """``vllm serve`` on a free loopback port with exactly the environment
     ``env``; waits for /health (or for the process to die) before yielding, and
     stops the server on exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     with open(log_path, "w") as log:
-        server = Server(port, subprocess.Popen(cmd, env=env, stdout=log,
-                                               stderr=subprocess.STDOUT))
+        server = Server(port, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             deadline = time.monotonic() + startup_timeout
             while time.monotonic() < deadline and server.proc.poll() is None and not server.healthy:
@@ -103,20 +122,39 @@ def running_server(model_dir: Path, args: list[str], env: dict[str, str], log_pa
 
 def complete(server: Server, model_dir: Path, prompt: list[int], max_tokens: int, **extra) -> dict:
     """One greedy /v1/completions request with a token-ID prompt."""
-    body = json.dumps({"model": str(model_dir), "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, **extra}).encode()
-    request = urllib.request.Request(f"{server.url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": str(model_dir),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=600) as r:
         return json.loads(r.read())
 
 
-def serve(model_dir: Path, args: list[str], env: dict[str, str], log_path: Path,
-          startup_timeout: float = 900, prompts: list[list[int]] | None = None,
-          max_tokens: int = 8) -> ServeResult:
+def serve(
+    model_dir: Path,
+    args: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    startup_timeout: float = 900,
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = 8,
+) -> ServeResult:
     """Start the server, wait for /health or for it to die, send the prompts, stop it."""
-    with running_server(model_dir, args, {**os.environ, **env}, log_path, startup_timeout) as server:
-        completions = [complete(server, model_dir, p, max_tokens) for p in (prompts or [])
-                       if server.healthy]
-    return ServeResult(server.healthy, log_path.read_text(errors="replace"), server.proc.returncode,
-                       completions)
+    with running_server(
+        model_dir, args, {**os.environ, **env}, log_path, startup_timeout
+    ) as server:
+        completions = [
+            complete(server, model_dir, p, max_tokens) for p in (prompts or []) if server.healthy
+        ]
+    return ServeResult(
+        server.healthy, log_path.read_text(errors="replace"), server.proc.returncode, completions
+    )

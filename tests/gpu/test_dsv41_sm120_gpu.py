@@ -36,6 +36,7 @@ choice; unset, vLLM picks its default).
 
 Needs an SM12x GPU and vLLM 0.32.x-0.34.x; skips with the reason elsewhere.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,16 +53,36 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT
 MODEL_DIR = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 PROBE_DIR = Path(__file__).with_name("inprocess")
 BACKEND = "FLASHINFER_MLA_SPARSE_DSV41"
-COMMON = ["--load-format", "dummy", "--skip-tokenizer-init", "--language-model-only",
-          "--kv-cache-dtype", "fp8", "--attention-config", json.dumps({"indexer_kv_dtype": "fp8"}),
-          "--max-model-len", "2048", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5",
-          "--seed", "0"]
+COMMON = [
+    "--load-format",
+    "dummy",
+    "--skip-tokenizer-init",
+    "--language-model-only",
+    "--kv-cache-dtype",
+    "fp8",
+    "--attention-config",
+    json.dumps({"indexer_kv_dtype": "fp8"}),
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "8",
+    "--gpu-memory-utilization",
+    "0.5",
+    "--seed",
+    "0",
+]
 MOE_BACKEND = os.environ.get("VLLM_MLA_FIXES_GPU_MOE_BACKEND")  # "marlin" on the SM120 job
 
 
 def issue_flags(block_size: int) -> list[str]:
-    return ["--attention-backend", BACKEND, "--block-size", str(block_size), *COMMON,
-            *(["--moe-backend", MOE_BACKEND] if MOE_BACKEND else [])]
+    return [
+        "--attention-backend",
+        BACKEND,
+        "--block-size",
+        str(block_size),
+        *COMMON,
+        *(["--moe-backend", MOE_BACKEND] if MOE_BACKEND else []),
+    ]
 
 
 # Long enough that ratio-1/ratio-2 compressed caches span several pages and the
@@ -85,15 +106,25 @@ STARTUP_TIMEOUT_S = 2400
 
 # ------------------------------------------------------------------ serving
 
-def serve_and_generate(args: list[str], env: dict[str, str], tmp_path: Path, prompts=PROMPTS,
-                       startup_timeout: float = STARTUP_TIMEOUT_S) -> dict:
+
+def serve_and_generate(
+    args: list[str],
+    env: dict[str, str],
+    tmp_path: Path,
+    prompts=PROMPTS,
+    startup_timeout: float = STARTUP_TIMEOUT_S,
+) -> dict:
     """``vllm serve`` with the call probe; wait for /health; greedy completions; stop."""
     from gpu.serving import complete, running_server
 
     call_log = tmp_path / "calls.jsonl"
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, **env, LOG_ENV: str(call_log),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE_DIR), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        **env,
+        LOG_ENV: str(call_log),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE_DIR), os.environ.get("PYTHONPATH")])),
+    }
     result = {"healthy": False, "completions": [], "request_error": None}
     with running_server(MODEL_DIR, args, env, log_path, startup_timeout) as server:
         result["healthy"] = server.healthy
@@ -101,18 +132,26 @@ def serve_and_generate(args: list[str], env: dict[str, str], tmp_path: Path, pro
         ready = time.time()
         for prompt in prompts if server.healthy else []:
             try:
-                choice = complete(server, MODEL_DIR, prompt, MAX_TOKENS, logprobs=1,
-                                  return_tokens_as_token_ids=True)["choices"][0]
+                choice = complete(
+                    server,
+                    MODEL_DIR,
+                    prompt,
+                    MAX_TOKENS,
+                    logprobs=1,
+                    return_tokens_as_token_ids=True,
+                )["choices"][0]
             except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
                 result["request_error"] = f"{type(exc).__name__}: {exc}"
                 break
             result["completions"].append(
-                [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]])
+                [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+            )
     result["returncode"] = server.proc.returncode
     result["log"] = log_path.read_text(errors="replace")
     records = read_log(call_log)
     result["attention"] = attention_summary(
-        [r for r in records if r.get("probe") != "dsv41" or r["time"] >= ready])
+        [r for r in records if r.get("probe") != "dsv41" or r["time"] >= ready]
+    )
     return result
 
 
@@ -127,8 +166,9 @@ def attention_summary(records: list[dict]) -> dict:
         "max_rel_error": max((r["rel_error"] for r in compared), default=None),
         "unwritten_read": sum(r["unwritten_read"] for r in compared),
         "records_read": sum(r["records_read"] for r in compared),
-        "page_geometries": sorted({json.dumps([r.get("swa_page"), r.get("extra_page")])
-                                   for r in compared}),
+        "page_geometries": sorted(
+            {json.dumps([r.get("swa_page"), r.get("extra_page")]) for r in compared}
+        ),
         "probe_errors": sorted({r["probe_error"] for r in records if "probe_error" in r})[:5],
     }
 
@@ -143,18 +183,26 @@ def attention_problems(summary: dict, prompts: int, steps: int) -> list[str]:
     if summary["probe_errors"]:
         problems.append(f"probe errors: {summary['probe_errors']}")
     if summary["compared"] < prompts * steps * ATTENTION_LAYERS:
-        problems.append(f"{summary['compared']} attention calls compared, expected at least "
-                        f"{prompts * steps * ATTENTION_LAYERS} ({prompts} prompts x {steps} "
-                        f"steps x {ATTENTION_LAYERS} layers)")
+        problems.append(
+            f"{summary['compared']} attention calls compared, expected at least "
+            f"{prompts * steps * ATTENTION_LAYERS} ({prompts} prompts x {steps} "
+            f"steps x {ATTENTION_LAYERS} layers)"
+        )
     if summary["compared_with_compressed"] < prompts * steps * COMPRESSED_LAYERS:
-        problems.append(f"{summary['compared_with_compressed']} calls with a compressed segment, "
-                        f"expected at least {prompts * steps * COMPRESSED_LAYERS}")
+        problems.append(
+            f"{summary['compared_with_compressed']} calls with a compressed segment, "
+            f"expected at least {prompts * steps * COMPRESSED_LAYERS}"
+        )
     if summary["max_rel_error"] is not None and not summary["max_rel_error"] <= ATTENTION_TOLERANCE:
-        problems.append(f"FlashInfer differs from the PyTorch decode of the same pages: relative "
-                        f"error {summary['max_rel_error']:.3g} > {ATTENTION_TOLERANCE}")
+        problems.append(
+            f"FlashInfer differs from the PyTorch decode of the same pages: relative "
+            f"error {summary['max_rel_error']:.3g} > {ATTENTION_TOLERANCE}"
+        )
     if summary["unwritten_read"]:
-        problems.append(f"{summary['unwritten_read']} of {summary['records_read']} records read "
-                        f"were never written")
+        problems.append(
+            f"{summary['unwritten_read']} of {summary['records_read']} records read "
+            f"were never written"
+        )
     return problems
 
 
@@ -165,20 +213,23 @@ def run_problems(result: dict, prompts: int, steps: int = 0) -> list[str]:
         problems.append("the server did not become healthy")
     if result["request_error"]:
         problems.append(f"request failed: {result['request_error']}")
-    if len(result["completions"]) != prompts or any(len(c) != MAX_TOKENS
-                                                    for c in result["completions"]):
+    if len(result["completions"]) != prompts or any(
+        len(c) != MAX_TOKENS for c in result["completions"]
+    ):
         problems.append(f"{len(result['completions'])} of {prompts} completions")
     return problems + attention_problems(result["attention"], prompts, steps)
 
 
 # -------------------------------------------------------------------- tests
 
+
 @pytest.fixture(scope="module")
 def sm12x():
     from gpu.serving import require_gpu, require_vllm
 
-    capability = require_gpu(12, why="the 64-row page geometry of FLASHINFER_MLA_SPARSE_DSV41 "
-                                      "is SM120/SM121-only")
+    capability = require_gpu(
+        12, why="the 64-row page geometry of FLASHINFER_MLA_SPARSE_DSV41 is SM120/SM121-only"
+    )
     version = require_vllm(">=0.32.0,<0.35.0")
     return capability, version
 
@@ -191,24 +242,38 @@ def _results_dir(tmp_path_factory) -> Path:
 
 def _record(tmp_path_factory, name: str, result: dict, problems: list[str]) -> None:
     lines = result["log"].splitlines()
-    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(json.dumps({
-        "healthy": result["healthy"], "returncode": result["returncode"],
-        "request_error": result["request_error"], "completions": result["completions"],
-        "attention": result["attention"], "problems": problems,
-        "errors": [l for l in lines if "Error" in l or "error" in l][-20:]}, indent=2))
+    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "healthy": result["healthy"],
+                "returncode": result["returncode"],
+                "request_error": result["request_error"],
+                "completions": result["completions"],
+                "attention": result["attention"],
+                "problems": problems,
+                "errors": [ln for ln in lines if "Error" in ln or "error" in ln][-20:],
+            },
+            indent=2,
+        )
+    )
 
 
 def test_without_fix_block_size_64_upstream_outcome(sm12x, tmp_path, tmp_path_factory):
     """Proves: unpatched --block-size 64 is broken on every release (0.32/0.33 refuse to start)."""
     version = sm12x[1]
-    result = serve_and_generate(issue_flags(64) + ["--enforce-eager"], {"VLLM_MLA_FIXES": "none"},
-                                tmp_path, prompts=PROMPTS[:1])
+    result = serve_and_generate(
+        issue_flags(64) + ["--enforce-eager"],
+        {"VLLM_MLA_FIXES": "none"},
+        tmp_path,
+        prompts=PROMPTS[:1],
+    )
     problems = run_problems(result, 1, MAX_TOKENS)
     _record(tmp_path_factory, f"dsv41_without_fix_bs64_{version}", result, problems)
     if version.startswith(("0.32.", "0.33.")):
         assert not result["healthy"]
-        assert "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])" in result["log"], \
-            result["log"][-4000:]
+        assert (
+            "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])" in result["log"]
+        ), result["log"][-4000:]
     else:  # 0.34: starts, with 32-state ratio-2 indexer pages SM120 cannot take
         assert problems, "unpatched 0.34 --block-size 64 served correctly: the fix is not needed"
 
@@ -222,8 +287,12 @@ def test_without_fix_block_size_128_upstream_outcome(sm12x, tmp_path, tmp_path_f
     that takes (error, wrong pages), the run must fail a check the fixed run
     passes.  0.34.0: refuses to start.  Eager, so that every attention call is compared."""
     version = sm12x[1]
-    result = serve_and_generate(issue_flags(128) + ["--enforce-eager"], {"VLLM_MLA_FIXES": "none"},
-                                tmp_path, prompts=PROMPTS[:1])
+    result = serve_and_generate(
+        issue_flags(128) + ["--enforce-eager"],
+        {"VLLM_MLA_FIXES": "none"},
+        tmp_path,
+        prompts=PROMPTS[:1],
+    )
     problems = run_problems(result, 1, MAX_TOKENS)
     _record(tmp_path_factory, f"dsv41_without_fix_bs128_{version}", result, problems)
     if version.startswith("0.32."):
@@ -233,10 +302,14 @@ def test_without_fix_block_size_128_upstream_outcome(sm12x, tmp_path, tmp_path_f
     assert problems, f"unpatched {version} --block-size 128 served correctly: {result['attention']}"
 
 
-@pytest.mark.parametrize("block_size, eager", [(128, False), (128, True), (64, False)],
-                         ids=["bs128", "bs128-eager", "bs64"])
-def test_with_fix_serves_and_matches_at_the_attention_call(sm12x, block_size, eager, tmp_path,
-                                                           tmp_path_factory):
+@pytest.mark.parametrize(
+    "block_size, eager",
+    [(128, False), (128, True), (64, False)],
+    ids=["bs128", "bs128-eager", "bs64"],
+)
+def test_with_fix_serves_and_matches_at_the_attention_call(
+    sm12x, block_size, eager, tmp_path, tmp_path_factory
+):
     """Proves: with the fix the issue's serve line starts, answers every prompt, and FlashInfer's
     output equals a PyTorch decode of the pages it read, in every compared call (eager: every
     call of every step; with CUDA graphs: the calls that ran eagerly)."""

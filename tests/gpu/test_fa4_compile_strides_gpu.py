@@ -24,6 +24,7 @@ and only then judges the outcome.
 Skips elsewhere with the reason: an H100/H200 (SM90) runs MLA prefill on FA3
 and never reaches this FA4 code.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,12 +44,15 @@ MODEL = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tin
 CASE = Path(__file__).with_name("fa4_llm_case.py")
 UPSTREAM_ERROR = re.compile(
     r"ValueError: Mismatched mO\.strides\[0\] on argument #3 when calling: `__call__\(mQ: "
-    r"Tensor\(\[n0, n1, n2\], bfloat16\).*output_scale: None\)`, expected to be \d+")
+    r"Tensor\(\[n0, n1, n2\], bfloat16\).*output_scale: None\)`, expected to be \d+"
+)
 PATCHED_LINE = "vllm-mla-fixes: fa4-compile-strides: patched"
 CASE_TIMEOUT_S = 1800
 PROBE_DIR = Path(__file__).with_name("inprocess")
-PROBE_CODE = ("from vllm_mla_fixes.fixes import fa4_compile_strides as f; "
-              "print('BUG=%s' % (f.functional_verdict() is None))")
+PROBE_CODE = (
+    "from vllm_mla_fixes.fixes import fa4_compile_strides as f; "
+    "print('BUG=%s' % (f.functional_verdict() is None))"
+)
 
 
 def probe_verdict(returncode: int, stdout: str, stderr: str) -> bool:
@@ -58,23 +62,34 @@ def probe_verdict(returncode: int, stdout: str, stderr: str) -> bool:
     not read as "not affected"."""
     verdict = re.search(r"^BUG=(True|False)$", stdout, re.MULTILINE)
     if verdict is None:
-        pytest.fail(f"the fa4-compile-strides probe printed no BUG= line (exit {returncode}); "
-                    f"stderr:\n{stderr[-6000:]}", pytrace=False)
+        pytest.fail(
+            f"the fa4-compile-strides probe printed no BUG= line (exit {returncode}); "
+            f"stderr:\n{stderr[-6000:]}",
+            pytrace=False,
+        )
     return verdict.group(1) == "True"
 
 
 @pytest.fixture(scope="module")
 def sm100():
-    capability = require_gpu(10, why="FA4 Split-KV MLA prefill runs on SM100/SM103; an H100/H200 "
-                                     "(SM90) runs MLA prefill on FA3 and cannot reproduce vLLM #49200")
+    capability = require_gpu(
+        10,
+        why="FA4 Split-KV MLA prefill runs on SM100/SM103; an H100/H200 "
+        "(SM90) runs MLA prefill on FA3 and cannot reproduce vLLM #49200",
+    )
     from importlib.metadata import version
 
     installed = version("vllm")
     # the fix's own functional probe on this install (a child: it imports FA4's CuTe code)
-    probe = subprocess.run([sys.executable, "-c", PROBE_CODE], capture_output=True, text=True,
-                           timeout=600)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE_CODE], capture_output=True, text=True, timeout=600
+    )
     has_bug = probe_verdict(probe.returncode, probe.stdout, probe.stderr)
-    return {"capability": capability, "vllm": installed, "affected": INFO.admits(installed) and has_bug}
+    return {
+        "capability": capability,
+        "vllm": installed,
+        "affected": INFO.admits(installed) and has_bug,
+    }
 
 
 def _results_dir(tmp_path_factory) -> Path:
@@ -98,11 +113,16 @@ def _env(call_log: Path, **changes: str | None) -> dict[str, str]:
 
 
 def run_case(env: dict, *extra: str) -> tuple[int, str, dict | None]:
-    proc = subprocess.run([sys.executable, str(CASE), "--model", str(MODEL), *extra], env=env,
-                          capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, str(CASE), "--model", str(MODEL), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CASE_TIMEOUT_S,
+    )
     log = proc.stdout + proc.stderr
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT=")), None)
-    return proc.returncode, log, json.loads(line[len("RESULT="):]) if line else None
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")), None)
+    return proc.returncode, log, json.loads(line[len("RESULT=") :]) if line else None
 
 
 def split_kv_summary(call_log: Path) -> dict:
@@ -111,27 +131,39 @@ def split_kv_summary(call_log: Path) -> dict:
     records = read_log(call_log)
     fa4 = [r for r in records if r.get("probe") == "fa4"]
     new = new_split_kv_calls(records)
-    return {"probe_installed": any(r.get("probe") == "install" for r in records),
-            "fa4_calls": len(fa4),
-            "warmup_total_q": sorted({r["total_q"] for r in fa4 if r["compile_only"]
-                                      and r["total_q"] is not None}),
-            "new_split_kv": [{k: r.get(k) for k in ("total_q", "num_splits", "error")} for r in new],
-            "probe_errors": [r["probe_error"] for r in records if "probe_error" in r]}
+    return {
+        "probe_installed": any(r.get("probe") == "install" for r in records),
+        "fa4_calls": len(fa4),
+        "warmup_total_q": sorted(
+            {r["total_q"] for r in fa4 if r["compile_only"] and r["total_q"] is not None}
+        ),
+        "new_split_kv": [{k: r.get(k) for k in ("total_q", "num_splits", "error")} for r in new],
+        "probe_errors": [r["probe_error"] for r in records if "probe_error" in r],
+    }
 
 
 def assert_reached_new_split_kv(summary: dict) -> None:
     """The run exercised the kernel the bug is in; otherwise a pass proves nothing."""
     assert summary["probe_installed"] and not summary["probe_errors"], summary
     assert summary["new_split_kv"], (
-        f"no FA4 Split-KV call with a total_q warm-up did not compile: {summary}")
+        f"no FA4 Split-KV call with a total_q warm-up did not compile: {summary}"
+    )
 
 
 def _record(tmp_path_factory, name: str, returncode: int, log: str, result, summary: dict) -> None:
     match = UPSTREAM_ERROR.search(log)
-    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(json.dumps({
-        "returncode": returncode, "result": result,
-        "upstream_error": match.group(0) if match else None,
-        "patched": PATCHED_LINE in log, "calls": summary}, indent=2))
+    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "returncode": returncode,
+                "result": result,
+                "upstream_error": match.group(0) if match else None,
+                "patched": PATCHED_LINE in log,
+                "calls": summary,
+            },
+            indent=2,
+        )
+    )
 
 
 def _assert_all_served(returncode: int, log: str, result) -> None:
@@ -145,8 +177,14 @@ def test_llm_without_plugin(sm100, tmp_path, tmp_path_factory):
     calls = tmp_path / "calls.jsonl"
     returncode, log, result = run_case(_env(calls, VLLM_PLUGINS=""))
     summary = split_kv_summary(calls)
-    _record(tmp_path_factory, f"fa4_llm_without_plugin_{sm100['vllm']}", returncode, log, result,
-            summary)
+    _record(
+        tmp_path_factory,
+        f"fa4_llm_without_plugin_{sm100['vllm']}",
+        returncode,
+        log,
+        result,
+        summary,
+    )
     assert_reached_new_split_kv(summary)
     if sm100["affected"]:
         assert returncode != 0 and result is None, log[-6000:]
@@ -161,8 +199,9 @@ def test_llm_with_plugin(sm100, tmp_path, tmp_path_factory):
     calls = tmp_path / "calls.jsonl"
     returncode, log, result = run_case(_env(calls, VLLM_PLUGINS=None, VLLM_MLA_FIXES="all"))
     summary = split_kv_summary(calls)
-    _record(tmp_path_factory, f"fa4_llm_with_plugin_{sm100['vllm']}", returncode, log, result,
-            summary)
+    _record(
+        tmp_path_factory, f"fa4_llm_with_plugin_{sm100['vllm']}", returncode, log, result, summary
+    )
     assert_reached_new_split_kv(summary)
     _assert_all_served(returncode, log, result)
     assert not any(call["error"] for call in summary["new_split_kv"]), summary
@@ -173,11 +212,20 @@ def test_llm_with_plugin(sm100, tmp_path, tmp_path_factory):
 def test_llm_without_plugin_warmup_disabled_workaround(sm100, tmp_path, tmp_path_factory):
     """Proves: the documented workaround (no CuTe DSL warm-up) serves the same Split-KV calls."""
     calls = tmp_path / "calls.jsonl"
-    returncode, log, result = run_case(_env(calls, VLLM_PLUGINS=""), "--kernel-config",
-                                       json.dumps({"enable_cutedsl_warmup": False}))
+    returncode, log, result = run_case(
+        _env(calls, VLLM_PLUGINS=""),
+        "--kernel-config",
+        json.dumps({"enable_cutedsl_warmup": False}),
+    )
     summary = split_kv_summary(calls)
-    _record(tmp_path_factory, f"fa4_llm_warmup_disabled_{sm100['vllm']}", returncode, log, result,
-            summary)
+    _record(
+        tmp_path_factory,
+        f"fa4_llm_warmup_disabled_{sm100['vllm']}",
+        returncode,
+        log,
+        result,
+        summary,
+    )
     assert_reached_new_split_kv(summary)
     _assert_all_served(returncode, log, result)
 
@@ -193,21 +241,48 @@ def write_word_tokenizer(directory: Path, vocab_size: int = 32000) -> None:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(directory)
+    PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(directory)
 
 
 # ``vllm bench serve``'s random dataset: 16 prompts of 8550-9450 tokens (fixed
 # seed).  The engine takes one at a time, so each prompt's second chunk is a
 # Split-KV context chunk of its own 358-1258 new tokens.
 BENCH_PROMPTS = 16
-BENCH_ARGS = ["--dataset-name", "random", "--random-input-len", "9000", "--random-range-ratio",
-              "0.05", "--random-output-len", "16", "--num-prompts", str(BENCH_PROMPTS),
-              "--max-concurrency", "4", "--seed", "0"]
-SERVE_ARGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "10240",
-              "--max-num-batched-tokens", "8192", "--max-num-seqs", "1",
-              "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
-              "--attention-config", json.dumps({"mla_prefill_backend": "FLASH_ATTN"})]
+BENCH_ARGS = [
+    "--dataset-name",
+    "random",
+    "--random-input-len",
+    "9000",
+    "--random-range-ratio",
+    "0.05",
+    "--random-output-len",
+    "16",
+    "--num-prompts",
+    str(BENCH_PROMPTS),
+    "--max-concurrency",
+    "4",
+    "--seed",
+    "0",
+]
+SERVE_ARGS = [
+    "--load-format",
+    "dummy",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "10240",
+    "--max-num-batched-tokens",
+    "8192",
+    "--max-num-seqs",
+    "1",
+    "--no-enable-prefix-caching",
+    "--gpu-memory-utilization",
+    "0.5",
+    "--attention-config",
+    json.dumps({"mla_prefill_backend": "FLASH_ATTN"}),
+]
 
 
 def bench_serve(tmp_path: Path, env: dict) -> tuple[dict, str, subprocess.CompletedProcess | None]:
@@ -219,23 +294,49 @@ def bench_serve(tmp_path: Path, env: dict) -> tuple[dict, str, subprocess.Comple
     proc = None
     with running_server(model, SERVE_ARGS, env, serve_log) as server:
         if server.healthy:
-            bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-                     "--model", str(model), "--tokenizer", str(model), "--host", "127.0.0.1",
-                     "--port", str(server.port), *BENCH_ARGS, "--save-result",
-                     "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
-            proc = subprocess.run(bench, env=env, capture_output=True, text=True,
-                                  timeout=CASE_TIMEOUT_S)
+            bench = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.cli.main",
+                "bench",
+                "serve",
+                "--model",
+                str(model),
+                "--tokenizer",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(server.port),
+                *BENCH_ARGS,
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "bench.json",
+            ]
+            proc = subprocess.run(
+                bench, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S
+            )
     result_file = tmp_path / "bench.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
     return result, serve_log.read_text(errors="replace"), proc
 
 
 def _record_bench(tmp_path_factory, name: str, result: dict, server_text: str, summary: dict):
-    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(json.dumps({
-        "completed": result.get("completed"), "failed": result.get("failed"),
-        "http_500": len(re.findall(r'HTTP/1\.1" 500', server_text)),
-        "upstream_error": bool(UPSTREAM_ERROR.search(server_text)),
-        "patched": PATCHED_LINE in server_text, "calls": summary}, indent=2))
+    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "completed": result.get("completed"),
+                "failed": result.get("failed"),
+                "http_500": len(re.findall(r'HTTP/1\.1" 500', server_text)),
+                "upstream_error": bool(UPSTREAM_ERROR.search(server_text)),
+                "patched": PATCHED_LINE in server_text,
+                "calls": summary,
+            },
+            indent=2,
+        )
+    )
 
 
 def test_bench_serve_random_9000_with_plugin(sm100, tmp_path, tmp_path_factory):
@@ -244,12 +345,19 @@ def test_bench_serve_random_9000_with_plugin(sm100, tmp_path, tmp_path_factory):
     env = _env(calls, VLLM_PLUGINS=None, VLLM_MLA_FIXES="all")
     result, server_text, proc = bench_serve(tmp_path, env)
     summary = split_kv_summary(calls)
-    _record_bench(tmp_path_factory, f"fa4_bench_serve_with_plugin_{sm100['vllm']}", result,
-                  server_text, summary)
+    _record_bench(
+        tmp_path_factory,
+        f"fa4_bench_serve_with_plugin_{sm100['vllm']}",
+        result,
+        server_text,
+        summary,
+    )
     assert proc is not None, server_text[-6000:]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert_reached_new_split_kv(summary)
-    assert result.get("completed") == BENCH_PROMPTS, {k: result.get(k) for k in ("completed", "failed")}
+    assert result.get("completed") == BENCH_PROMPTS, {
+        k: result.get(k) for k in ("completed", "failed")
+    }
     assert not result.get("failed")
     assert not re.search(r'HTTP/1\.1" 500', server_text)
     assert not UPSTREAM_ERROR.search(server_text)
@@ -262,8 +370,13 @@ def test_bench_serve_random_9000_without_plugin(sm100, tmp_path, tmp_path_factor
     calls = tmp_path / "calls.jsonl"
     result, server_text, proc = bench_serve(tmp_path, _env(calls, VLLM_PLUGINS=""))
     summary = split_kv_summary(calls)
-    _record_bench(tmp_path_factory, f"fa4_bench_serve_without_plugin_{sm100['vllm']}", result,
-                  server_text, summary)
+    _record_bench(
+        tmp_path_factory,
+        f"fa4_bench_serve_without_plugin_{sm100['vllm']}",
+        result,
+        server_text,
+        summary,
+    )
     assert proc is not None, server_text[-6000:]
     assert_reached_new_split_kv(summary)
     if sm100["affected"]:

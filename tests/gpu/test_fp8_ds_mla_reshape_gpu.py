@@ -5,6 +5,7 @@ flags, three ways: without the fix, without it but with ``--enforce-eager``,
 and with it.  Needs FLASHMLA_SPARSE (compute capability 9.x or 10.x) and a
 vLLM 0.25.x install; skips with the reason elsewhere.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,23 @@ import pytest
 from gpu.serving import require_gpu, require_vllm, serve
 from vllm_mla_fixes.reproductions.fp8_ds_mla import TINY_GLM_DSA
 
-FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--kv-cache-dtype", "fp8",
-         "--attention-backend", "FLASHMLA_SPARSE", "--block-size", "64", "--max-num-seqs", "16",
-         "--max-model-len", "4096", "--gpu-memory-utilization", "0.4"]
+FLAGS = [
+    "--load-format",
+    "dummy",
+    "--skip-tokenizer-init",
+    "--kv-cache-dtype",
+    "fp8",
+    "--attention-backend",
+    "FLASHMLA_SPARSE",
+    "--block-size",
+    "64",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    "4096",
+    "--gpu-memory-utilization",
+    "0.4",
+]
 UPSTREAM_ERROR = "is invalid for input of size"
 PROMPTS = [[11 + i, 23, 57, 101, 300 + i, 7] for i in range(4)]
 
@@ -33,25 +48,46 @@ def gpu():
 def _record(tmp_path_factory, name, result):
     out = Path(os.environ.get("VLLM_MLA_FIXES_GPU_RESULTS", tmp_path_factory.mktemp("results")))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({
-        "healthy": result.healthy, "returncode": result.returncode,
-        "upstream_error": next((l for l in result.log.splitlines() if UPSTREAM_ERROR in l), None),
-        "completions": result.completions}, indent=2))
+    (out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "healthy": result.healthy,
+                "returncode": result.returncode,
+                "upstream_error": next(
+                    (ln for ln in result.log.splitlines() if UPSTREAM_ERROR in ln), None
+                ),
+                "completions": result.completions,
+            },
+            indent=2,
+        )
+    )
 
 
 def test_without_fix_reproduces_the_upstream_error(gpu, tmp_path, tmp_path_factory):
     """Proves: unpatched 0.25.x cannot start the report's serve line (the report's reshape error)."""
-    result = serve(TINY_GLM_DSA.parent, FLAGS, {"VLLM_MLA_FIXES": "none"}, tmp_path / "serve.log",
-                   startup_timeout=600)
+    result = serve(
+        TINY_GLM_DSA.parent,
+        FLAGS,
+        {"VLLM_MLA_FIXES": "none"},
+        tmp_path / "serve.log",
+        startup_timeout=600,
+    )
     _record(tmp_path_factory, "fp8_without_fix", result)
     assert not result.healthy
-    assert result.has("shape '[32, 64, 576]' is invalid for input of size 1343488"), result.log[-4000:]
+    assert result.has("shape '[32, 64, 576]' is invalid for input of size 1343488"), result.log[
+        -4000:
+    ]
 
 
 def test_without_fix_enforce_eager_fails_at_kv_cache_init(gpu, tmp_path, tmp_path_factory):
     """Proves: the report's workaround (--enforce-eager) fails the same way at KV-cache start-up."""
-    result = serve(TINY_GLM_DSA.parent, [*FLAGS, "--enforce-eager"], {"VLLM_MLA_FIXES": "none"},
-                   tmp_path / "serve.log", startup_timeout=600)
+    result = serve(
+        TINY_GLM_DSA.parent,
+        [*FLAGS, "--enforce-eager"],
+        {"VLLM_MLA_FIXES": "none"},
+        tmp_path / "serve.log",
+        startup_timeout=600,
+    )
     _record(tmp_path_factory, "fp8_without_fix_enforce_eager", result)
     assert not result.healthy
     assert result.has(UPSTREAM_ERROR) and result.has(", 64, 576]' is invalid"), result.log[-4000:]
@@ -59,8 +95,13 @@ def test_without_fix_enforce_eager_fails_at_kv_cache_init(gpu, tmp_path, tmp_pat
 
 def test_with_fix_serves_completions_with_cuda_graphs(gpu, tmp_path, tmp_path_factory):
     """Proves: with the fix the same serve line starts with CUDA graphs and completes requests."""
-    result = serve(TINY_GLM_DSA.parent, FLAGS, {"VLLM_MLA_FIXES": "all"}, tmp_path / "serve.log",
-                   prompts=PROMPTS)
+    result = serve(
+        TINY_GLM_DSA.parent,
+        FLAGS,
+        {"VLLM_MLA_FIXES": "all"},
+        tmp_path / "serve.log",
+        prompts=PROMPTS,
+    )
     _record(tmp_path_factory, "fp8_with_fix", result)
     assert result.has("vllm-mla-fixes: applied fp8-ds-mla-reshape"), result.log[-4000:]
     assert result.healthy, result.log[-4000:]

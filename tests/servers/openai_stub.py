@@ -9,6 +9,7 @@ MODE: ``good`` (text replies), ``fffd`` (every token U+FFFD, as a misread KV
 cache decodes), ``empty`` (no text), ``error`` (HTTP 500 on generation),
 ``unhealthy`` (/health answers 503).
 """
+
 import json
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,7 +41,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self.send(503 if MODE == "unhealthy" else 200, b"")
         elif self.path == "/v1/models":
-            self.send(200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode())
+            self.send(
+                200,
+                json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode(),
+            )
         else:
             self.send(404, b'{"error": "not found"}')
 
@@ -54,15 +58,22 @@ class Handler(BaseHTTPRequestHandler):
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         text = reply(prompt)
         if not body.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                      else {"index": 0, "text": text})
-            return self.send(200, json.dumps({"model": MODEL, "choices": [choice]},
-                                             ensure_ascii=False).encode())
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}}
+                if chat
+                else {"index": 0, "text": text}
+            )
+            return self.send(
+                200, json.dumps({"model": MODEL, "choices": [choice]}, ensure_ascii=False).encode()
+            )
         events = []
-        for piece in [text[i:i + 3] for i in range(0, len(text), 3)] or [""]:
-            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
-            events.append(b"data: " + json.dumps({"choices": [choice]}, ensure_ascii=False).encode()
-                          + b"\n\n")
+        for piece in [text[i : i + 3] for i in range(0, len(text), 3)] or [""]:
+            choice = (
+                {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            )
+            events.append(
+                b"data: " + json.dumps({"choices": [choice]}, ensure_ascii=False).encode() + b"\n\n"
+            )
         events.append(b"data: [DONE]\n\n")
         self.send(200, b"".join(events), "text/event-stream")
 

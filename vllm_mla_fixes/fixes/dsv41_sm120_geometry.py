@@ -95,12 +95,19 @@ from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 INFO = FixInfo(
     name="dsv41-sm120-geometry",
     summary="DeepSeek-V4.1 on SM120/SM121 (FLASHINFER_MLA_SPARSE_DSV41): --block-size 64 fails "
-            "'No common block size', 128 hands FlashInfer 32-token SWA pages and the indexer "
-            "128-state ratio-1 pages; fixed so every page holds 64 states, by default with 128-token "
-            "blocks and interleaved 64-state ratio-1 kernel pages (more KV capacity than upstream), "
-            "else per-ratio blocks",
-    upstream=("vllm#59203", "vllm#56702", "vllm#56509", "vllm#57292",
-              "flashinfer#5323", "flashinfer#5174", "flashinfer#5244"),
+    "'No common block size', 128 hands FlashInfer 32-token SWA pages and the indexer "
+    "128-state ratio-1 pages; fixed so every page holds 64 states, by default with 128-token "
+    "blocks and interleaved 64-state ratio-1 kernel pages (more KV capacity than upstream), "
+    "else per-ratio blocks",
+    upstream=(
+        "vllm#59203",
+        "vllm#56702",
+        "vllm#56509",
+        "vllm#57292",
+        "flashinfer#5323",
+        "flashinfer#5174",
+        "flashinfer#5244",
+    ),
     affected=">=0.32.0.dev0,<=0.34.0",
     affected_releases=("0.32.0", "0.33.0", "0.34.0"),
     fixed_in=None,
@@ -113,9 +120,13 @@ INFO = FixInfo(
         "PR #56509 (kernel blocks of 64 inside 128-token blocks) starts but produces U+FFFD: "
         "do not serve with it",
     ),
-    not_covered=(patching.NotCovered(
-        ">=0.30.0.dev0,<0.32.0.dev0", ("0.30.0", "0.31.0"),
-        "0.30/0.31 choose kernel block sizes through a different API, which this fix does not wrap"),),
+    not_covered=(
+        patching.NotCovered(
+            ">=0.30.0.dev0,<0.32.0.dev0",
+            ("0.30.0", "0.31.0"),
+            "0.30/0.31 choose kernel block sizes through a different API, which this fix does not wrap",
+        ),
+    ),
 )
 
 PAGE_ROWS = 64
@@ -149,41 +160,89 @@ COMPRESSOR_MODULE = "vllm.models.deepseek_v41.compressor"
 # fix wraps or relies on exactly these definitions; anything else is a
 # TargetMismatch and vLLM stays untouched.
 REVIEWED: dict[tuple[str, str], dict[str, str]] = {
-    (ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec"): {"80626492cbc4d6b0": "0.32.0, 0.33.0, 0.34.0"},
-    (ATTENTION_MODULE, "DeepseekV4IndexerCache.get_kv_cache_spec"): {"0ef5dfb296bbfb3b": "0.32.0", "f47d3ccf7860b805": "0.33.0, 0.34.0"},
-    (FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes"): {"d6dc7a2839ed5309": "0.32.0, 0.33.0", "544fde42b12dfc4a": "0.34.0"},
-    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_decode"): {"ead22506b9bf0f0a": "0.32.0, 0.33.0, 0.34.0"},
-    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_prefill"): {"1b6cfe48f45705bf": "0.32.0, 0.33.0, 0.34.0"},
-    (INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"): {"3ee73f2582cb00c7": "0.32.0, 0.33.0", "b0712154722b009f": "0.34.0"},
-    (SWA_MODULE, "DeepseekV4SWACache.__init__"): {"73b7aedf34908917": "0.32.0", "71449ccde4274966": "0.33.0, 0.34.0"},
-    (SWA_MODULE, "DeepseekV4SWACache.get_kv_cache_spec"): {"f513952670f9bf38": "0.32.0", "753bd30916d94e25": "0.33.0, 0.34.0"},
-    (WARMUP_MODULE, "CompressedSlotMappingKernel.get_warmup_keys"): {"216e302a557266f9": "0.32.0", "776a353d46e2e7b3": "0.33.0, 0.34.0"},
-    (WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): {"999feba03e12db36": "0.32.0, 0.33.0", "70806dab17e278c2": "0.34.0"},
+    (ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec"): {
+        "80626492cbc4d6b0": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (ATTENTION_MODULE, "DeepseekV4IndexerCache.get_kv_cache_spec"): {
+        "0ef5dfb296bbfb3b": "0.32.0",
+        "f47d3ccf7860b805": "0.33.0, 0.34.0",
+    },
+    (FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes"): {
+        "d6dc7a2839ed5309": "0.32.0, 0.33.0",
+        "544fde42b12dfc4a": "0.34.0",
+    },
+    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_decode"): {
+        "ead22506b9bf0f0a": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (FLASHINFER_MODULE, "DeepseekV4FlashInferSM120Attention._forward_prefill"): {
+        "1b6cfe48f45705bf": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"): {
+        "3ee73f2582cb00c7": "0.32.0, 0.33.0",
+        "b0712154722b009f": "0.34.0",
+    },
+    (SWA_MODULE, "DeepseekV4SWACache.__init__"): {
+        "73b7aedf34908917": "0.32.0",
+        "71449ccde4274966": "0.33.0, 0.34.0",
+    },
+    (SWA_MODULE, "DeepseekV4SWACache.get_kv_cache_spec"): {
+        "f513952670f9bf38": "0.32.0",
+        "753bd30916d94e25": "0.33.0, 0.34.0",
+    },
+    (WARMUP_MODULE, "CompressedSlotMappingKernel.get_warmup_keys"): {
+        "216e302a557266f9": "0.32.0",
+        "776a353d46e2e7b3": "0.33.0, 0.34.0",
+    },
+    (WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"): {
+        "999feba03e12db36": "0.32.0, 0.33.0",
+        "70806dab17e278c2": "0.34.0",
+    },
     # The interleaved split replaces or relies on these as well (SPLIT_TARGETS).
-    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"): {"afea4079dd113fc9": "0.32.0, 0.33.0, 0.34.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"): {"840b1d99ab0f763f": "0.32.0, 0.33.0, 0.34.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"): {"adaa4142305eed54": "0.32.0, 0.33.0, 0.34.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"): {"cc9a2dd5a6626db7": "0.32.0, 0.33.0, 0.34.0"},
-    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"): {"b295cd3635ff4ac7": "0.32.0, 0.33.0, 0.34.0"},
-    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"): {"eb3a874718c6b296": "0.32.0", "2cda0476ce889793": "0.33.0, 0.34.0"},
-    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"): {"b0d2cbc0ce1ba697": "0.32.0", "618f410d0514a898": "0.33.0", "3c64753715ca1bdd": "0.34.0"},
-    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"): {"15beaa9c9e75793c": "0.32.0, 0.33.0, 0.34.0"},
+    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"): {
+        "afea4079dd113fc9": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"): {
+        "840b1d99ab0f763f": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"): {
+        "adaa4142305eed54": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"): {
+        "cc9a2dd5a6626db7": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"): {
+        "b295cd3635ff4ac7": "0.32.0, 0.33.0, 0.34.0"
+    },
+    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"): {
+        "eb3a874718c6b296": "0.32.0",
+        "2cda0476ce889793": "0.33.0, 0.34.0",
+    },
+    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"): {
+        "b0d2cbc0ce1ba697": "0.32.0",
+        "618f410d0514a898": "0.33.0",
+        "3c64753715ca1bdd": "0.34.0",
+    },
+    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"): {
+        "15beaa9c9e75793c": "0.32.0, 0.33.0, 0.34.0"
+    },
 }
 
-SPLIT_TARGETS = frozenset({
-    # replaced: the ratio-1 kernel views, and the kernel slots handed to builders
-    (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
-    (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
-    (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"),
-    # relied on: kernel block j of block b is b * kernel_block_stride + j; the
-    # builders' kernel block size; ratio-1 writers take the builder's
-    # ``cm.slot_mapping`` (sparse-MLA and indexer builders, compressor insert)
-    (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"),
-    (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"),
-    (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"),
-    (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"),
-    (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"),
-})
+SPLIT_TARGETS = frozenset(
+    {
+        # replaced: the ratio-1 kernel views, and the kernel slots handed to builders
+        (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
+        (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
+        (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"),
+        # relied on: kernel block j of block b is b * kernel_block_stride + j; the
+        # builders' kernel block size; ratio-1 writers take the builder's
+        # ``cm.slot_mapping`` (sparse-MLA and indexer builders, compressor insert)
+        (WORKER_UTILS_MODULE, "AttentionGroup.map_to_kernel_block_table"),
+        (WORKER_UTILS_MODULE, "AttentionGroup.create_metadata_builders"),
+        (SPARSE_MLA_MODULE, "DeepseekV4SparseMLAMetadataBuilder.build"),
+        (INDEXER_MODULE, "DeepseekV32IndexerMetadataBuilder.build"),
+        (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"),
+    }
+)
 """The definitions only the interleaved split needs: where one of them is not
 the reviewed code, the fix still applies, with the per-ratio geometry."""
 
@@ -196,6 +255,7 @@ class PageGeometryError(ValueError):
 
 # --------------------------------------------------------------------------- gate
 
+
 def _check_swa_call_site() -> None:
     """``DeepseekV4Attention.__init__`` builds its SWA cache through the module
     name ``DeepseekV4SWACache`` with ``block_size=32`` -- the call the fix
@@ -204,14 +264,24 @@ def _check_swa_call_site() -> None:
     init = patching.find_definition(tree, "DeepseekV4Attention.__init__")
     if init is None:
         raise TargetMismatch("DeepseekV4Attention.__init__ does not exist")
-    calls = [node for node in ast.walk(init) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Name) and node.func.id == "DeepseekV4SWACache"]
-    blocks = [kw.value.value for call in calls for kw in call.keywords
-              if kw.arg == "block_size" and isinstance(kw.value, ast.Constant)]
+    calls = [
+        node
+        for node in ast.walk(init)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "DeepseekV4SWACache"
+    ]
+    blocks = [
+        kw.value.value
+        for call in calls
+        for kw in call.keywords
+        if kw.arg == "block_size" and isinstance(kw.value, ast.Constant)
+    ]
     if len(calls) != 1 or blocks != [UPSTREAM_SWA_BLOCK]:
         raise TargetMismatch(
             "DeepseekV4Attention.__init__ no longer builds exactly one DeepseekV4SWACache "
-            f"with block_size={UPSTREAM_SWA_BLOCK}")
+            f"with block_size={UPSTREAM_SWA_BLOCK}"
+        )
 
 
 def device_capability() -> tuple[int, int]:
@@ -250,9 +320,12 @@ def probe(capability: tuple[int, int] | None = None) -> str | None:
             return f"not a CUDA platform ({exc}); the geometry is SM12x-only"
     major, minor = capability
     if major != 12:
-        return (f"SM{major}{minor}: the page geometry is wrong only on SM12x; "
-                "this device keeps vLLM's block sizes")
+        return (
+            f"SM{major}{minor}: the page geometry is wrong only on SM12x; "
+            "this device keeps vLLM's block sizes"
+        )
     from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
+
     return cached_screen(sys.modules[__name__], source_screen)
 
 
@@ -280,6 +353,7 @@ def split_unreviewed() -> str | None:
 
 # ------------------------------------------------------------ geometry decision
 
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     geometry: str  # SPLIT or PER_RATIO
@@ -287,16 +361,20 @@ class Decision:
     unit: int = 0  # bytes of one interleave unit (compressed + indexer kernel page), SPLIT only
 
 
-_SPLIT_DEFAULT = ("default on SM12x: 128-token blocks, ratio-1 compressed/indexer pages "
-                  "interleaved as 64-state kernel pages")
+_SPLIT_DEFAULT = (
+    "default on SM12x: 128-token blocks, ratio-1 compressed/indexer pages "
+    "interleaved as 64-state kernel pages"
+)
 _state: dict[str, Any] = {"split_unreviewed": None, "decisions": {}}
 
 
 def _config_triggers(vllm_config: Any) -> str | None:
     """The first engine setting under which the split is not proven safe."""
     if getattr(vllm_config, "speculative_config", None) is not None:
-        return ("speculative decoding is configured (drafters and draft-decode metadata "
-                "updates address manager-block slots; not reviewed with the split)")
+        return (
+            "speculative decoding is configured (drafters and draft-decode metadata "
+            "updates address manager-block slots; not reviewed with the split)"
+        )
     cache = getattr(vllm_config, "cache_config", None)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         return "a KV connector is configured (connectors address manager-block pages per token)"
@@ -306,7 +384,9 @@ def _config_triggers(vllm_config: Any) -> str | None:
     for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(parallel, field, 1) or 1
         if size > 1:
-            return f"{field} is {size} (context-parallel slot sharding is not reviewed with the split)"
+            return (
+                f"{field} is {size} (context-parallel slot sharding is not reviewed with the split)"
+            )
     attention = getattr(vllm_config, "attention_config", None)
     if getattr(attention, "hisparse_config", None) is not None:
         return "HiSparse is configured (not reviewed with the split)"
@@ -321,13 +401,19 @@ def _ratio1_pair_unit(vllm_config: Any) -> tuple[int, str | None]:
     or (0, why the split does not fit this model).  Reads the layers vLLM
     registered in the static forward context; (0, None) before they exist."""
     attention = sys.modules.get(ATTENTION_MODULE)
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    context = getattr(
+        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
+    )
     if attention is None or not context:
         return 0, None
-    sources = [layer for layer in context.values()
-               if isinstance(layer, attention.DeepseekV4Attention) and layer.is_kv_source]
-    indexers = [layer for layer in context.values()
-                if isinstance(layer, attention.DeepseekV4IndexerCache)]
+    sources = [
+        layer
+        for layer in context.values()
+        if isinstance(layer, attention.DeepseekV4Attention) and layer.is_kv_source
+    ]
+    indexers = [
+        layer for layer in context.values() if isinstance(layer, attention.DeepseekV4IndexerCache)
+    ]
     ratios = {int(layer.compress_ratio) for layer in [*sources, *indexers]}
     if not ratios <= {1, 2}:
         return 0, f"compress ratios {sorted(ratios)} (the split is reviewed for ratios 1 and 2)"
@@ -336,22 +422,30 @@ def _ratio1_pair_unit(vllm_config: Any) -> tuple[int, str | None]:
     if not ratio1:
         return 0, "no ratio-1 cache to split (the per-ratio geometry is the same)"
     if len(ratio1) != len(ratio1_index):
-        return 0, (f"{len(ratio1)} ratio-1 compressed caches but {len(ratio1_index)} ratio-1 "
-                   "indexer caches (they interleave in pairs)")
+        return 0, (
+            f"{len(ratio1)} ratio-1 compressed caches but {len(ratio1_index)} ratio-1 "
+            "indexer caches (they interleave in pairs)"
+        )
     pages = []
-    for layer, cls in ((ratio1[0], attention.DeepseekV4Attention),
-                       (ratio1_index[0], attention.DeepseekV4IndexerCache)):
+    for layer, cls in (
+        (ratio1[0], attention.DeepseekV4Attention),
+        (ratio1_index[0], attention.DeepseekV4IndexerCache),
+    ):
         spec = _ORIGINAL_PRODUCERS[cls](layer, vllm_config)
         state_bytes = getattr(spec, "state_content_bytes", None) or spec.head_size
         expected = V4_RECORD_BYTES if cls is attention.DeepseekV4Attention else FP8_INDEXER_ROW
         if state_bytes != expected:
-            return 0, (f"{cls.__name__} record of {state_bytes} B (the split is proven on the "
-                       f"{V4_RECORD_BYTES}-B V4 record and the {FP8_INDEXER_ROW}-B fp8 indexer row)")
+            return 0, (
+                f"{cls.__name__} record of {state_bytes} B (the split is proven on the "
+                f"{V4_RECORD_BYTES}-B V4 record and the {FP8_INDEXER_ROW}-B fp8 indexer row)"
+            )
         kernel_page = spec.copy_with_new_block_size(PAGE_ROWS).page_size_bytes
         manager_page = spec.copy_with_new_block_size(SPLIT_MANAGER_BLOCK).page_size_bytes
         if manager_page != 2 * kernel_page:
-            return 0, (f"{cls.__name__}: a {SPLIT_MANAGER_BLOCK}-token page ({manager_page} B) is "
-                       f"not two {PAGE_ROWS}-state pages ({kernel_page} B)")
+            return 0, (
+                f"{cls.__name__}: a {SPLIT_MANAGER_BLOCK}-token page ({manager_page} B) is "
+                f"not two {PAGE_ROWS}-state pages ({kernel_page} B)"
+            )
         pages.append(kernel_page)
     return sum(pages), None
 
@@ -393,13 +487,20 @@ def geometry_decision(vllm_config: Any) -> tuple[str, str]:
 def _decision_for_specs(vllm_config: Any) -> Decision:
     decision = _decide(vllm_config)
     if decision.geometry == SPLIT and not decision.unit:
-        decision = Decision(PER_RATIO, "the model's ratio-1 caches are not registered in the "
-                                       "forward context, so the interleave unit is unknown")
+        decision = Decision(
+            PER_RATIO,
+            "the model's ratio-1 caches are not registered in the "
+            "forward context, so the interleave unit is unknown",
+        )
     key = (decision.geometry, decision.reason)
     if key not in _state["decisions"]:
         _state["decisions"][key] = decision
-        _logger().info("vllm-mla-fixes (%s): DeepSeek-V4.1 KV geometry %s (%s)",
-                       INFO.name, decision.geometry, decision.reason)
+        _logger().info(
+            "vllm-mla-fixes (%s): DeepSeek-V4.1 KV geometry %s (%s)",
+            INFO.name,
+            decision.geometry,
+            decision.reason,
+        )
     return decision
 
 
@@ -411,9 +512,11 @@ def status_detail() -> str:
         return "; ".join(f"geometry {d.geometry} ({d.reason})" for d in decided)
     if _state["split_unreviewed"]:
         return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
-    return (f"geometry chosen when the model loads: {SPLIT} by default, {PER_RATIO} with "
-            "speculative decoding, a KV connector or offloading, DCP/PCP > 1, HiSparse, another "
-            f"KV record, ratio-1 caches that do not pair up, or {GEOMETRY_ENV}=per-ratio")
+    return (
+        f"geometry chosen when the model loads: {SPLIT} by default, {PER_RATIO} with "
+        "speculative decoding, a KV connector or offloading, DCP/PCP > 1, HiSparse, another "
+        f"KV record, ratio-1 caches that do not pair up, or {GEOMETRY_ENV}=per-ratio"
+    )
 
 
 def _logger():
@@ -427,6 +530,7 @@ def _logger():
 
 
 # ------------------------------------------------------------------ spec producers
+
 
 def per_ratio_spec(spec: Any) -> Any:
     """``spec`` with ``64 x tokens_per_state`` tokens per block, so that a page
@@ -449,7 +553,9 @@ def split_spec(spec: Any, unit: int) -> Any:
     if spec.tokens_per_state == 1:
         current = spec.block_stride_alignment
         if current is not None and not isinstance(current, int):
-            raise PageGeometryError(f"unexpected block_stride_alignment {current!r} on a ratio-1 spec")
+            raise PageGeometryError(
+                f"unexpected block_stride_alignment {current!r} on a ratio-1 spec"
+            )
         changes["block_stride_alignment"] = math.lcm(unit, current or 1)
     if spec.block_size == SPLIT_MANAGER_BLOCK and spec.tokens_per_state != 1:
         return dataclasses.replace(spec, page_size_padded=None)
@@ -494,6 +600,7 @@ def _per_spec_kernel_block_sizes(original: Callable) -> staticmethod:
 def _swa_cache_with_64_token_blocks(cache_class: type) -> Callable:
     """Stands in for the class name inside ``deepseek_v41.attention`` only, so
     DeepSeek-V4.0 (which shares the class) is not touched."""
+
     def build_swa_cache(*args, **kwargs):
         if kwargs.get("block_size") == UPSTREAM_SWA_BLOCK:
             kwargs["block_size"] = PAGE_ROWS
@@ -506,13 +613,19 @@ def _swa_cache_with_64_token_blocks(cache_class: type) -> Callable:
 def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
     """Also warm the compressed-slot-mapping kernel for the block size it
     really sees (the states per page, 64), not ``--block-size // ratio``."""
+
     @functools.wraps(original)
     def get_warmup_keys(self, vllm_config):
         keys = list(original(self, vllm_config))
-        extra = [self.dispatch(compress_ratio=key.compress_ratio, block_size=PAGE_ROWS,
-                               dcp_world_size=key.dcp_world_size,
-                               cp_interleave=key.cp_interleave)
-                 for key in keys]
+        extra = [
+            self.dispatch(
+                compress_ratio=key.compress_ratio,
+                block_size=PAGE_ROWS,
+                dcp_world_size=key.dcp_world_size,
+                cp_interleave=key.cp_interleave,
+            )
+            for key in keys
+        ]
         return list(dict.fromkeys([*keys, *extra]))
 
     return get_warmup_keys
@@ -520,10 +633,13 @@ def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
 
 # ----------------------------------------------------- interleaved kernel views
 
+
 def _is_split_ratio1(group: Any) -> bool:
-    return (group.kernel_block_size is not None
-            and getattr(group.kv_cache_spec, "tokens_per_state", None) == 1
-            and group.backend.get_name() in (FLASHINFER_BACKEND, INDEXER_BACKEND))
+    return (
+        group.kernel_block_size is not None
+        and getattr(group.kv_cache_spec, "tokens_per_state", None) == 1
+        and group.backend.get_name() in (FLASHINFER_BACKEND, INDEXER_BACKEND)
+    )
 
 
 _INTERLEAVED: dict[tuple[str, Any], tuple[int, int]] = {}
@@ -541,7 +657,9 @@ class InterleavedCache:
     lead: int  # bytes from its pair's start to its first kernel page (0, or the compressed page)
 
 
-def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, int, list[InterleavedCache]]:
+def interleave_plan(
+    kv_caches: dict[str, Any], groups: list[Any]
+) -> tuple[int, int, list[InterleavedCache]]:
     """(unit, kernel pages per block stride, caches) for the ratio-1 caches of
     ``groups``, from their manager views; raises :class:`PageGeometryError`
     unless their manager pages fill one contiguous run of whole units."""
@@ -553,11 +671,20 @@ def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, 
         if spec.page_size_bytes != 2 * kernel_page:
             raise PageGeometryError(
                 f"{INFO.name}: {kind} page {spec.page_size_bytes} B is not two {kernel_page}-B "
-                "kernel pages; the interleaved split cannot bind it")
+                "kernel pages; the interleaved split cannot bind it"
+            )
         for name in group.layer_names:
             view = kv_caches[name]
-            caches.append((view.storage_offset() * view.element_size(), kind, name, kernel_page,
-                           spec.page_size_bytes, view))
+            caches.append(
+                (
+                    view.storage_offset() * view.element_size(),
+                    kind,
+                    name,
+                    kernel_page,
+                    spec.page_size_bytes,
+                    view,
+                )
+            )
     caches.sort(key=lambda c: c[0])
     strides = {c[5].stride(0) * c[5].element_size() for c in caches}
     storages = {c[5].untyped_storage().data_ptr() for c in caches}
@@ -567,8 +694,11 @@ def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, 
     problem = None
     if len(strides) != 1 or len(storages) != 1:
         problem = "the ratio-1 caches do not share one packed allocation"
-    elif kinds.count("compressed") != kinds.count("indexer") or len(compressed_pages) != 1 \
-            or len(indexer_pages) != 1:
+    elif (
+        kinds.count("compressed") != kinds.count("indexer")
+        or len(compressed_pages) != 1
+        or len(indexer_pages) != 1
+    ):
         problem = f"ratio-1 caches {kinds} do not pair up"
     elif any(a[0] + a[4] != b[0] for a, b in zip(caches, caches[1:])):
         problem = "the ratio-1 caches' pages are not adjacent in the packed block"
@@ -581,13 +711,15 @@ def interleave_plan(kv_caches: dict[str, Any], groups: list[Any]) -> tuple[int, 
         raise PageGeometryError(
             f"vllm-mla-fixes ({INFO.name}): cannot interleave the ratio-1 compressed/indexer "
             f"pages: {problem}.  Set {GEOMETRY_ENV}=per-ratio and report this with "
-            "`vllm-mla-fixes doctor`.")
+            "`vllm-mla-fixes doctor`."
+        )
     region = caches[0][0]
     plan, pair = [], {"compressed": 0, "indexer": 0}
     for _, kind, name, kernel_page, _, _ in caches:
         lead = 0 if kind == "compressed" else unit - kernel_page
-        plan.append(InterleavedCache(name, kind, region + 2 * unit * pair[kind] + lead,
-                                     kernel_page, lead))
+        plan.append(
+            InterleavedCache(name, kind, region + 2 * unit * pair[kind] + lead, kernel_page, lead)
+        )
         pair[kind] += 1
     return unit, block_stride // unit, plan
 
@@ -603,8 +735,11 @@ def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str
         rows = PAGE_ROWS
         num_pages = (manager.shape[0] - 1) * stride_pages + 2
         views[cache.layer] = torch.as_strided(
-            manager, (num_pages, *manager.shape[1:-2], rows, manager.shape[-1]),
-            (unit // size, *manager.stride()[1:]), cache.start // size)
+            manager,
+            (num_pages, *manager.shape[1:-2], rows, manager.shape[-1]),
+            (unit // size, *manager.stride()[1:]),
+            cache.start // size,
+        )
     leads = {cache.layer: cache.lead for cache in plan}
     for group in groups:
         group.kernel_block_stride = stride_pages
@@ -636,6 +771,7 @@ def _with_pair_manager_view(original: Callable) -> Callable:
     contiguous.  For an interleaved cache the view is the whole pair region of
     the block instead (both caches' pages, 2 units), so zeroing a new block
     clears exactly the ratio-1 pages it holds."""
+
     @functools.wraps(original)
     def map_kv_cache_to_manager_blocks(self, kv_cache, num_blocks):
         placement = _INTERLEAVED.get((self.backend.full_cls_name(), self.kv_cache_spec))
@@ -646,16 +782,19 @@ def _with_pair_manager_view(original: Callable) -> Callable:
         unit, lead = placement
         size = kv_cache.element_size()
         pair = 2 * unit // size
-        return torch.as_strided(kv_cache, (num_blocks, 1, 1, pair),
-                                (kv_cache.stride(0) * self.kernel_block_stride, pair, pair, 1),
-                                kv_cache.storage_offset() - lead // size)
+        return torch.as_strided(
+            kv_cache,
+            (num_blocks, 1, 1, pair),
+            (kv_cache.stride(0) * self.kernel_block_stride, pair, pair, 1),
+            kv_cache.storage_offset() - lead // size,
+        )
 
     return map_kv_cache_to_manager_blocks
 
 
 # ------------------------------------------------------------ ratio-1 writer slots
 
-_SLOT_BUFFERS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+_SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 
 
 def _slot_buffers(builder: Any) -> tuple:
@@ -668,8 +807,10 @@ def _slot_buffers(builder: Any) -> tuple:
 
         tokens = builder.vllm_config.scheduler_config.max_num_batched_tokens
         device = builder.device
-        buffers = (torch.empty(tokens, dtype=torch.int64, device=device),
-                   torch.empty(tokens, dtype=torch.int64, device=device))
+        buffers = (
+            torch.empty(tokens, dtype=torch.int64, device=device),
+            torch.empty(tokens, dtype=torch.int64, device=device),
+        )
         _SLOT_BUFFERS[builder] = buffers
     return buffers
 
@@ -687,9 +828,12 @@ def kernel_slots(group: Any, slot_mapping: Any, ubatch_idx: int = 0) -> Any:
     if slot_mapping.dim() != 1 or n > slots.shape[0]:
         raise PageGeometryError(
             f"{INFO.name}: slot mapping of shape {tuple(slot_mapping.shape)} exceeds the "
-            f"{slots.shape[0]}-token buffer of the interleaved split")
+            f"{slots.shape[0]}-token buffer of the interleaved split"
+        )
     manager_block = group.kv_cache_spec.block_size
-    block = torch.div(slot_mapping, manager_block, rounding_mode="floor", out=blocks[:n]).clamp_(min=0)
+    block = torch.div(slot_mapping, manager_block, rounding_mode="floor", out=blocks[:n]).clamp_(
+        min=0
+    )
     shift = group.kernel_block_stride * group.kernel_block_size - manager_block
     return torch.add(slot_mapping, block, alpha=shift, out=slots[:n])
 
@@ -698,16 +842,20 @@ def _with_kernel_slots(original: Callable) -> Callable:
     @functools.wraps(original)
     def _with_kernel_block_table(self, common_attn_metadata, ubatch_idx=0):
         metadata = original(self, common_attn_metadata, ubatch_idx)
-        if (self.kernel_block_size is None
-                or (self.backend.full_cls_name(), self.kv_cache_spec) not in _INTERLEAVED):
+        if (
+            self.kernel_block_size is None
+            or (self.backend.full_cls_name(), self.kv_cache_spec) not in _INTERLEAVED
+        ):
             return metadata
         return dataclasses.replace(
-            metadata, slot_mapping=kernel_slots(self, metadata.slot_mapping, ubatch_idx))
+            metadata, slot_mapping=kernel_slots(self, metadata.slot_mapping, ubatch_idx)
+        )
 
     return _with_kernel_block_table
 
 
 # -------------------------------------------------------------- start-up check
+
 
 @dataclasses.dataclass(frozen=True)
 class CachePage:
@@ -731,12 +879,19 @@ def bound_pages(forward_context: dict[str, Any]) -> list[CachePage]:
                 continue
             swa = getattr(layer, "swa_cache_layer", None)
             if swa is not None and swa.kv_cache.numel():
-                pages.append(CachePage(swa.prefix, "sliding-window KV", 0, int(swa.kv_cache.shape[-2])))
+                pages.append(
+                    CachePage(swa.prefix, "sliding-window KV", 0, int(swa.kv_cache.shape[-2]))
+                )
             if layer.is_kv_source and layer.kv_cache.numel():
-                pages.append(CachePage(name, "compressed KV", layer.compress_ratio,
-                                       int(layer.kv_cache.shape[-2])))
+                pages.append(
+                    CachePage(
+                        name, "compressed KV", layer.compress_ratio, int(layer.kv_cache.shape[-2])
+                    )
+                )
         elif isinstance(layer, attention.DeepseekV4IndexerCache) and layer.kv_cache.numel():
-            pages.append(CachePage(name, "indexer K", layer.compress_ratio, int(layer.kv_cache.shape[-2])))
+            pages.append(
+                CachePage(name, "indexer K", layer.compress_ratio, int(layer.kv_cache.shape[-2]))
+            )
     return pages
 
 
@@ -748,14 +903,16 @@ def check_page_geometry(pages: Iterable[CachePage]) -> None:
     lines = "\n".join(
         f"  {page.layer}: {page.kind} cache, compress ratio {page.compress_ratio}, "
         f"{page.rows}-{'state' if page.kind == 'indexer K' else 'token'} pages"
-        for page in wrong)
+        for page in wrong
+    )
     raise PageGeometryError(
         f"vllm-mla-fixes ({INFO.name}): on SM12x, FlashInfer's sparse-MLA kernels and the "
         f"paged-MQA indexer read {PAGE_ROWS}-row pages, but {len(wrong)} DeepSeek-V4.1 "
         f"cache(s) were bound with other page sizes:\n{lines}\n"
         "Serving would fail on the first request or read other layers' rows. The KV-cache "
         "geometry was changed after this fix was applied (another plugin, a different vLLM "
-        "build, or a kernel-block split); report this message with `vllm-mla-fixes doctor`.")
+        "build, or a kernel-block split); report this message with `vllm-mla-fixes doctor`."
+    )
 
 
 def _with_geometry_check(original: Callable) -> Callable:
@@ -770,6 +927,7 @@ def _with_geometry_check(original: Callable) -> Callable:
 
 # ------------------------------------------------------------------------ apply
 
+
 def apply(patch: Patch) -> None:
     # Screened here, where vLLM's sources are known to be readable; the split's
     # targets are patched only when they are the reviewed code.
@@ -781,33 +939,55 @@ def apply(patch: Patch) -> None:
     def on_attention(module) -> None:
         for cls in (module.DeepseekV4Attention, module.DeepseekV4IndexerCache):
             patch.replace(cls, "get_kv_cache_spec", _wrap_spec_producer(cls))
-        patch.replace(module, "DeepseekV4SWACache", _swa_cache_with_64_token_blocks(module.DeepseekV4SWACache))
+        patch.replace(
+            module, "DeepseekV4SWACache", _swa_cache_with_64_token_blocks(module.DeepseekV4SWACache)
+        )
 
     def on_flashinfer(module) -> None:
         backend = module.DeepseekV4FlashInferMLASparseBackend
-        patch.replace(backend, "get_supported_kernel_block_sizes",
-                      _per_spec_kernel_block_sizes(backend.get_supported_kernel_block_sizes))
+        patch.replace(
+            backend,
+            "get_supported_kernel_block_sizes",
+            _per_spec_kernel_block_sizes(backend.get_supported_kernel_block_sizes),
+        )
 
     def on_indexer(module) -> None:
         backend = module.DeepseekV41IndexerBackend
-        patch.replace(backend, "get_supported_kernel_block_sizes",
-                      _per_spec_kernel_block_sizes(backend.get_supported_kernel_block_sizes))
+        patch.replace(
+            backend,
+            "get_supported_kernel_block_sizes",
+            _per_spec_kernel_block_sizes(backend.get_supported_kernel_block_sizes),
+        )
 
     def on_warmup(module) -> None:
         kernel = module.CompressedSlotMappingKernel
-        patch.replace(kernel, "get_warmup_keys", _warmup_keys_with_64_state_pages(kernel.__dict__["get_warmup_keys"]))
+        patch.replace(
+            kernel,
+            "get_warmup_keys",
+            _warmup_keys_with_64_state_pages(kernel.__dict__["get_warmup_keys"]),
+        )
 
     def on_worker_utils(module) -> None:
-        patch.replace_function(module, "bind_kv_cache_to_layers",
-                               _with_geometry_check(module.bind_kv_cache_to_layers))
+        patch.replace_function(
+            module, "bind_kv_cache_to_layers", _with_geometry_check(module.bind_kv_cache_to_layers)
+        )
         if split_reviewed:
-            patch.replace_function(module, "map_kv_caches_to_kernel_blocks",
-                                   _with_interleaved_ratio1_views(module.map_kv_caches_to_kernel_blocks))
+            patch.replace_function(
+                module,
+                "map_kv_caches_to_kernel_blocks",
+                _with_interleaved_ratio1_views(module.map_kv_caches_to_kernel_blocks),
+            )
             group = module.AttentionGroup
-            patch.replace(group, "_with_kernel_block_table",
-                          _with_kernel_slots(group.__dict__["_with_kernel_block_table"]))
-            patch.replace(group, "map_kv_cache_to_manager_blocks",
-                          _with_pair_manager_view(group.__dict__["map_kv_cache_to_manager_blocks"]))
+            patch.replace(
+                group,
+                "_with_kernel_block_table",
+                _with_kernel_slots(group.__dict__["_with_kernel_block_table"]),
+            )
+            patch.replace(
+                group,
+                "map_kv_cache_to_manager_blocks",
+                _with_pair_manager_view(group.__dict__["map_kv_cache_to_manager_blocks"]),
+            )
 
     patch.when_imported(ATTENTION_MODULE, on_attention)
     patch.when_imported(FLASHINFER_MODULE, on_flashinfer)
@@ -821,11 +1001,16 @@ def for_capability(capability: tuple[int, int]):
     :func:`vllm_mla_fixes.patching.run_fix` in tests and ``verify`` on CPU."""
     import types
 
-    return types.SimpleNamespace(INFO=INFO, probe=functools.partial(probe, capability), apply=apply,
-                                 status_detail=status_detail)
+    return types.SimpleNamespace(
+        INFO=INFO,
+        probe=functools.partial(probe, capability),
+        apply=apply,
+        status_detail=status_detail,
+    )
 
 
 # ------------------------------------------------------------------------ doctor
+
 
 def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
@@ -835,74 +1020,156 @@ def diagnose(env, serve) -> list:
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
-    if serve is not None and serve.model_config and "DeepseekV41ForCausalLM" not in serve.architectures:
+    if (
+        serve is not None
+        and serve.model_config
+        and "DeepseekV41ForCausalLM" not in serve.architectures
+    ):
         return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
     sm = env.capability
     if sm is not None and sm[0] != 12:
-        return [Finding("ok", name, f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
-                        "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here")]
-    findings = [Finding("info", name, f"GPU {'SM%d%d' % sm if sm else 'not visible'}: SM120 (RTX PRO 6000) "
-                        "and SM121 (GB10) are both compute capability 12.x; the fix applies to both "
-                        "(neither has been run on hardware by this project)"),
-                Finding("info", name, "prove the fixed KV layout on this GPU before serving: the "
-                        "self-test runs FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits "
-                        "and the indexer-K gather over it against a dense reference (exit 0 pass, "
-                        "1 mismatch, 2 cannot run); once the server is up, check its replies for "
-                        "U+FFFD; attach both outputs to a bug report",
-                        f"{SELFTEST_COMMAND}; then {SMOKE_COMMAND}")]
-    fi, cubin, jit = (env.packages.get(p) for p in ("flashinfer-python", "flashinfer-cubin",
-                                                      "flashinfer-jit-cache"))
+        return [
+            Finding(
+                "ok",
+                name,
+                f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
+                "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here",
+            )
+        ]
+    findings = [
+        Finding(
+            "info",
+            name,
+            f"GPU {f'SM{sm[0]}{sm[1]}' if sm else 'not visible'}: SM120 (RTX PRO 6000) "
+            "and SM121 (GB10) are both compute capability 12.x; the fix applies to both "
+            "(neither has been run on hardware by this project)",
+        ),
+        Finding(
+            "info",
+            name,
+            "prove the fixed KV layout on this GPU before serving: the "
+            "self-test runs FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits "
+            "and the indexer-K gather over it against a dense reference (exit 0 pass, "
+            "1 mismatch, 2 cannot run); once the server is up, check its replies for "
+            "U+FFFD; attach both outputs to a bug report",
+            f"{SELFTEST_COMMAND}; then {SMOKE_COMMAND}",
+        ),
+    ]
+    fi, cubin, jit = (
+        env.packages.get(p)
+        for p in ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache")
+    )
     if fi and cubin and fi != cubin:
-        findings.append(Finding("error", name, f"flashinfer-cubin {cubin} != flashinfer-python {fi}",
-                                f"install flashinfer-cubin {fi}, the version of flashinfer-python "
-                                "(PyPI has no flashinfer-cubin 0.7.x: take it from where "
-                                "flashinfer-python came from)"))
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"flashinfer-cubin {cubin} != flashinfer-python {fi}",
+                f"install flashinfer-cubin {fi}, the version of flashinfer-python "
+                "(PyPI has no flashinfer-cubin 0.7.x: take it from where "
+                "flashinfer-python came from)",
+            )
+        )
     if jit is None:
-        findings.append(Finding("warn", name, "flashinfer-jit-cache is not installed: SM120 kernels come "
-                                "from the sm120f jit-cache; the report installs its 4 KB shim with --no-deps",
-                                f"install the flashinfer-jit-cache {fi} shim with --no-deps (it is not on PyPI)"))
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                "flashinfer-jit-cache is not installed: SM120 kernels come "
+                "from the sm120f jit-cache; the report installs its 4 KB shim with --no-deps",
+                f"install the flashinfer-jit-cache {fi} shim with --no-deps (it is not on PyPI)",
+            )
+        )
     elif fi and jit.split("+")[0] != fi:
-        findings.append(Finding("error", name, f"flashinfer-jit-cache {jit} does not match flashinfer-python "
-                                f"{fi}; FlashInfer refuses to start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
-                                f"install flashinfer-jit-cache {fi} (a +cuXXX suffix is fine)"))
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"flashinfer-jit-cache {jit} does not match flashinfer-python "
+                f"{fi}; FlashInfer refuses to start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
+                f"install flashinfer-jit-cache {fi} (a +cuXXX suffix is fine)",
+            )
+        )
     torch_v, audio_v = env.packages.get("torch"), env.packages.get("torchaudio")
     if audio_v and major_minor(audio_v) != major_minor(torch_v):
-        findings.append(Finding("warn", name, f"torchaudio {audio_v} was built for another torch than "
-                                f"{torch_v} (vLLM {vllm_version}'s own pins); it can fail to load "
-                                "(a language-model-only serve does not need it)",
-                                "pip uninstall -y torchaudio"))
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                f"torchaudio {audio_v} was built for another torch than "
+                f"{torch_v} (vLLM {vllm_version}'s own pins); it can fail to load "
+                "(a language-model-only serve does not need it)",
+                "pip uninstall -y torchaudio",
+            )
+        )
     if serve is None:
         findings.append(fix_verdict(env, name))
         return findings
     attention = serve.attention_config
     if str(attention.get("indexer_kv_dtype", "fp8")).lower() == "mxfp4":
-        findings.append(Finding("error", name, "indexer_kv_dtype='mxfp4' requires SM10x (B200/GB200); "
-                                "SM120 rejects it at start-up",
-                                f"use {INDEXER_FP8_FLAG}"))
+        findings.append(
+            Finding(
+                "error",
+                name,
+                "indexer_kv_dtype='mxfp4' requires SM10x (B200/GB200); "
+                "SM120 rejects it at start-up",
+                f"use {INDEXER_FP8_FLAG}",
+            )
+        )
     if attention.get("indexer_sparse_logits"):
-        findings.append(Finding("error", name, "indexer_sparse_logits needs the MXFP4 indexer cache, which "
-                                "SM120 does not support", "remove indexer_sparse_logits"))
+        findings.append(
+            Finding(
+                "error",
+                name,
+                "indexer_sparse_logits needs the MXFP4 indexer cache, which SM120 does not support",
+                "remove indexer_sparse_logits",
+            )
+        )
     block = serve.block_size
     fixed = env.fix_state(name) == "applied"
     if block == 64 and not fixed:
         findings.append(Finding("warn", name, f"--block-size 64 fails at start-up: {INFO.error}"))
     elif block in (None, 128) and not fixed:
-        findings.append(Finding("warn", name, "--block-size 128 starts, but page 32 reaches FlashInfer: "
-                                "that is the 32-token sliding-window cache of a SWA-only layer (not a "
-                                "ratio-2 page, as the report says); FlashInfer 0.7.0.post1 rejects it on the "
-                                "first request (page_block_size=32), and SM120's indexer takes only 64-state "
-                                "pages while ratio-1 layers get 128"))
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                "--block-size 128 starts, but page 32 reaches FlashInfer: "
+                "that is the 32-token sliding-window cache of a SWA-only layer (not a "
+                "ratio-2 page, as the report says); FlashInfer 0.7.0.post1 rejects it on the "
+                "first request (page_block_size=32), and SM120's indexer takes only 64-state "
+                "pages while ratio-1 layers get 128",
+            )
+        )
     if fixed:
         geometry, why = geometry_decision(_engine_settings(serve))
-        findings.append(Finding("info", name, f"with the fix, --block-size no longer decides these pages on "
-                                f"SM12x; this line gets the {geometry} geometry ({why}); see the README "
-                                "for the KV capacity of each geometry"))
-    findings.append(Finding("info", name, "PR #56509 (64-token kernel blocks inside 128-token blocks) "
-                            "starts but writes ratio-1 latents through untranslated slots into other "
-                            "layers' pages: U+FFFD output; do not serve with it"))
+        findings.append(
+            Finding(
+                "info",
+                name,
+                f"with the fix, --block-size no longer decides these pages on "
+                f"SM12x; this line gets the {geometry} geometry ({why}); see the README "
+                "for the KV capacity of each geometry",
+            )
+        )
+    findings.append(
+        Finding(
+            "info",
+            name,
+            "PR #56509 (64-token kernel blocks inside 128-token blocks) "
+            "starts but writes ratio-1 latents through untranslated slots into other "
+            "layers' pages: U+FFFD output; do not serve with it",
+        )
+    )
     if (serve.moe_backend or "auto") in ("triton", "b12x"):
-        findings.append(Finding("error", name, f"--moe-backend {serve.moe_backend} is not supported on SM120",
-                                f"leave it on auto (DEEPGEMM_MXFP4) or use {MOE_MARLIN_FLAG}"))
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"--moe-backend {serve.moe_backend} is not supported on SM120",
+                f"leave it on auto (DEEPGEMM_MXFP4) or use {MOE_MARLIN_FLAG}",
+            )
+        )
     findings.append(fix_verdict(env, name))
     return findings
 
@@ -911,7 +1178,7 @@ def diagnose(env, serve) -> list:
 SELFTEST_COMMAND = "vllm-mla-fixes selftest"
 SMOKE_COMMAND = "vllm-mla-fixes smoke http://<host>:<port>"
 # Serve flags doctor suggests; tests check them with each affected release's own config classes.
-INDEXER_FP8_FLAG = "--attention-config '{\"indexer_kv_dtype\": \"fp8\"}'"
+INDEXER_FP8_FLAG = '--attention-config \'{"indexer_kv_dtype": "fp8"}\''
 MOE_MARLIN_FLAG = "--moe-backend marlin"
 
 
@@ -929,6 +1196,9 @@ def _engine_settings(serve) -> Any:
         cache_config=types.SimpleNamespace(kv_offloading_size=1 if serve.kv_offloading else None),
         parallel_config=types.SimpleNamespace(
             decode_context_parallel_size=serve.decode_context_parallel_size,
-            prefill_context_parallel_size=serve.prefill_context_parallel_size),
-        attention_config=types.SimpleNamespace(hisparse_config=serve.attention_config.get("hisparse_config")),
+            prefill_context_parallel_size=serve.prefill_context_parallel_size,
+        ),
+        attention_config=types.SimpleNamespace(
+            hisparse_config=serve.attention_config.get("hisparse_config")
+        ),
     )

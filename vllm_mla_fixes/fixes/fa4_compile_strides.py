@@ -80,8 +80,8 @@ from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 INFO = FixInfo(
     name="fa4-compile-strides",
     summary="SM100 FA4 MLA prefill: kernels compiled at warm-up keep static strides, so the "
-            "first Split-KV context chunk (prompt > ~8k tokens) with a new token count "
-            "fails the kernel's argument check and EngineCore dies",
+    "first Split-KV context chunk (prompt > ~8k tokens) with a new token count "
+    "fails the kernel's argument check and EngineCore dies",
     upstream=("vllm#49200", "flash-attention@caaa4eb (vllm-project/flash-attention#157)"),
     affected=">=0.23.1.dev0,<0.26.0",
     affected_releases=("0.25.0", "0.25.1"),
@@ -89,12 +89,12 @@ INFO = FixInfo(
     newest_reviewed="0.26.0",
     hardware="SM100/SM103 (B200, GB200, B300) with FA4 MLA prefill; H100/H200 use FA3 and are immune",
     error="ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(mQ: "
-          "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",
+    "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",
     workarounds=(
         "--kernel-config '{\"enable_cutedsl_warmup\": false}': FA4 kernels then compile from "
         "real tensors with dynamic strides; cost: a JIT stall (about 15-25 s on the serving "
         "path) the first time each kernel key is used",
-        "--attention-config '{\"mla_prefill_backend\": \"TRTLLM_RAGGED\"}': MLA prefill leaves "
+        '--attention-config \'{"mla_prefill_backend": "TRTLLM_RAGGED"}\': MLA prefill leaves '
         "FA4 altogether (confirmed upstream); cost: a different prefill kernel, compare throughput",
         "VLLM_BATCH_INVARIANT=1 forces num_splits=1 (no Split-KV); cost: batch-invariant mode's "
         "broad side effects and slower long-context prefill",
@@ -133,7 +133,8 @@ def _fa4_package() -> ModuleType:
     except ImportError as exc:
         raise CannotProbe(
             f"{FA_PACKAGE} does not import here ({exc}); FA4 can only run where vLLM's "
-            f"CUDA flash-attention extension loads") from exc
+            f"CUDA flash-attention extension loads"
+        ) from exc
 
 
 def _import_fa4() -> tuple[ModuleType, ModuleType]:
@@ -144,9 +145,12 @@ def _import_fa4() -> tuple[ModuleType, ModuleType]:
     except ImportError as exc:
         raise CannotProbe(
             f"{FA_PACKAGE} does not import here ({exc}); FA4 can only run where vLLM's "
-            f"CUDA flash-attention extension loads") from exc
+            f"CUDA flash-attention extension loads"
+        ) from exc
     except Exception as exc:  # e.g. a cutlass-dsl that does not match cuda-python
-        raise CannotProbe(f"FA4's CuTe modules fail to import: {type(exc).__name__}: {exc}") from exc
+        raise CannotProbe(
+            f"FA4's CuTe modules fail to import: {type(exc).__name__}: {exc}"
+        ) from exc
     return utils, interface
 
 
@@ -165,12 +169,15 @@ def frozen_stride_dims(convert: Any, interface: ModuleType) -> list[int]:
         converted = convert(spec)
     except Exception as exc:
         raise TargetMismatch(
-            f"{TARGET} rejected a compile-only spec: {type(exc).__name__}: {exc}") from exc
+            f"{TARGET} rejected a compile-only spec: {type(exc).__name__}: {exc}"
+        ) from exc
     strides = getattr(converted, "stride", None)
     if not isinstance(strides, tuple) or len(strides) != 3:
         raise TargetMismatch(f"{TARGET}(spec) gave {converted!r}, not a 3-D CuTe tensor")
     if strides[-1] != 1:
-        raise TargetMismatch(f"{TARGET}(spec) lost the unit stride of the leading dimension: {strides}")
+        raise TargetMismatch(
+            f"{TARGET}(spec) lost the unit stride of the leading dimension: {strides}"
+        )
     return [dim for dim in range(2) if isinstance(strides[dim], int)]
 
 
@@ -178,14 +185,18 @@ def functional_verdict() -> str | None:
     """The functional probe (imports FA4's CuTe code): None if the bug is there."""
     utils, interface = _import_fa4()
     if not hasattr(interface, SPEC_CLASS):
-        return ("this FA4 build has no compile-only tensor specs: warm-up compiles from real "
-                "tensors, whose strides are dynamic")
+        return (
+            "this FA4 build has no compile-only tensor specs: warm-up compiles from real "
+            "tensors, whose strides are dynamic"
+        )
     convert = getattr(interface, TARGET, None)
     if not callable(convert) or not callable(getattr(utils, TARGET, None)):
         raise TargetMismatch(f"{INTERFACE_MODULE} or {UTILS_MODULE} has no {TARGET}")
     if frozen_stride_dims(convert, interface):
         return None
-    return f"{TARGET} already gives compile-only specs symbolic strides (the upstream fix is present)"
+    return (
+        f"{TARGET} already gives compile-only specs symbolic strides (the upstream fix is present)"
+    )
 
 
 def source_screen() -> str | None:
@@ -195,8 +206,10 @@ def source_screen() -> str | None:
     except TargetMismatch:  # the module has no source file
         return "this vLLM build has no FA4 CuTe code (vllm_flash_attn/cute)"
     if patching.find_definition(tree, SPEC_CLASS) is None:
-        return ("this FA4 build has no compile-only tensor specs: warm-up compiles from real "
-                "tensors, whose strides are dynamic")
+        return (
+            "this FA4 build has no compile-only tensor specs: warm-up compiles from real "
+            "tensors, whose strides are dynamic"
+        )
     return None
 
 
@@ -208,6 +221,7 @@ def probe() -> str | None:
         return functional_verdict()
     _fa4_package()
     from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
+
     return cached_screen(sys.modules[__name__], source_screen)
 
 
@@ -239,8 +253,9 @@ def symbolic_spec_converter(original: Any) -> Any:
     make_fake, sym_int, sym_int64 = _cute_fake_tensor_api()
 
     @functools.wraps(original)
-    def to_cute_tensor(t, assumed_align=16, leading_dim=-1, fully_dynamic=False,
-                       enable_tvm_ffi=True):
+    def to_cute_tensor(
+        t, assumed_align=16, leading_dim=-1, fully_dynamic=False, enable_tvm_ffi=True
+    ):
         # Runs for every tensor of every FA4 call: real tensors take the cheap
         # isinstance exit (a failing hasattr on a tensor costs ~1 us).
         if isinstance(t, torch.Tensor) or not hasattr(t, "_cute_tensor"):
@@ -302,6 +317,7 @@ def deferred_outcome() -> str | None:
 def _log(level: int, message: str) -> None:
     try:
         from vllm.logger import init_logger
+
         logger = init_logger("vllm.mla_fixes")
     except Exception:  # noqa: BLE001
         logger = logging.getLogger("vllm.mla_fixes")
@@ -328,8 +344,11 @@ def apply(patch: Patch) -> None:
             _log(logging.WARNING, _deferred["outcome"])
             return
         _deferred["outcome"] = "patched"
-        _log(logging.INFO, f"patched {UTILS_MODULE}.{TARGET} and dropped the FA4 forward "
-                           f"kernels compiled before (probe: static strides)")
+        _log(
+            logging.INFO,
+            f"patched {UTILS_MODULE}.{TARGET} and dropped the FA4 forward "
+            f"kernels compiled before (probe: static strides)",
+        )
 
     patch.when_imported(INTERFACE_MODULE, on_interface_import)
 
@@ -350,12 +369,14 @@ def patch_now(patch: Patch) -> None:
         raise RuntimeError(f"{INTERFACE_MODULE}.{TARGET} was not rebound")
     still_frozen = frozen_stride_dims(interface.to_cute_tensor, interface)
     if still_frozen:
-        raise RuntimeError(f"after patching, {TARGET} still freezes the strides of dims {still_frozen}")
+        raise RuntimeError(
+            f"after patching, {TARGET} still freezes the strides of dims {still_frozen}"
+        )
 
 
 # -- doctor ------------------------------------------------------------------------
 
-CUTLASS_PIN_AFFECTED = "4.5.2"      # what 0.25.0/0.25.1 pin
+CUTLASS_PIN_AFFECTED = "4.5.2"  # what 0.25.0/0.25.1 pin
 DISK_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
@@ -363,7 +384,8 @@ def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import MLA_ARCHITECTURES, Finding as F
+    from vllm_mla_fixes.report import MLA_ARCHITECTURES
+    from vllm_mla_fixes.report import Finding as F
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
@@ -371,67 +393,129 @@ def diagnose(env, serve) -> list:
     quack = env.packages.get("quack-kernels")
     findings = []
     sm = env.capability[0] if env.capability else None
-    facts = (f"vLLM {vllm_version}, nvidia-cutlass-dsl {cutlass or '-'}, quack-kernels {quack or '-'}, "
-             f"GPU {'SM%d%d' % env.capability if env.capability else 'not visible'}")
+    facts = (
+        f"vLLM {vllm_version}, nvidia-cutlass-dsl {cutlass or '-'}, quack-kernels {quack or '-'}, "
+        f"GPU {f'SM{env.capability[0]}{env.capability[1]}' if env.capability else 'not visible'}"
+    )
     if sm is not None and sm != 10:
-        findings.append(F("ok", name, f"{facts}: this GPU does not run FA4's Split-KV MLA prefill "
-                          "(H100/H200 use FA3 for MLA prefill); the bug needs SM100/SM103"))
+        findings.append(
+            F(
+                "ok",
+                name,
+                f"{facts}: this GPU does not run FA4's Split-KV MLA prefill "
+                "(H100/H200 use FA3 for MLA prefill); the bug needs SM100/SM103",
+            )
+        )
         return findings
-    findings.append(F("info", name, f"{facts}: on SM100/SM103 the first MLA prompt over ~8k tokens "
-                      f"that reaches a second prefill chunk can kill EngineCore: {INFO.error}"))
+    findings.append(
+        F(
+            "info",
+            name,
+            f"{facts}: on SM100/SM103 the first MLA prompt over ~8k tokens "
+            f"that reaches a second prefill chunk can kill EngineCore: {INFO.error}",
+        )
+    )
     if cutlass and cutlass != CUTLASS_PIN_AFFECTED:
-        findings.append(F("info", name, f"nvidia-cutlass-dsl {cutlass} is not vLLM "
-                          f"{vllm_version}'s pin ({CUTLASS_PIN_AFFECTED}); the fix's probe decides at "
-                          "start-up and leaves vLLM alone if FA4 behaves differently"))
+        findings.append(
+            F(
+                "info",
+                name,
+                f"nvidia-cutlass-dsl {cutlass} is not vLLM "
+                f"{vllm_version}'s pin ({CUTLASS_PIN_AFFECTED}); the fix's probe decides at "
+                "start-up and leaves vLLM alone if FA4 behaves differently",
+            )
+        )
     if os.environ.get(DISK_CACHE_ENV) == "1":
-        findings.append(F("info", name, f"{DISK_CACHE_ENV}=1: FA4 kernels compiled before the fix stay "
-                          "on disk under the plain source-fingerprint folder; the fix compiles into a "
-                          f"fresh '<fingerprint>{DISK_NAMESPACE_SUFFIX}' folder and never loads them; "
-                          "expect one compile per kernel on the first patched start-up"))
+        findings.append(
+            F(
+                "info",
+                name,
+                f"{DISK_CACHE_ENV}=1: FA4 kernels compiled before the fix stay "
+                "on disk under the plain source-fingerprint folder; the fix compiles into a "
+                f"fresh '<fingerprint>{DISK_NAMESPACE_SUFFIX}' folder and never loads them; "
+                "expect one compile per kernel on the first patched start-up",
+            )
+        )
     if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
-        findings.append(F("ok", name, "VLLM_BATCH_INVARIANT=1 forces num_splits=1: no Split-KV, "
-                          "this failure cannot happen (at batch-invariant mode's cost)"))
+        findings.append(
+            F(
+                "ok",
+                name,
+                "VLLM_BATCH_INVARIANT=1 forces num_splits=1: no Split-KV, "
+                "this failure cannot happen (at batch-invariant mode's cost)",
+            )
+        )
         return findings
     if serve is not None:
         archs = set(serve.architectures)
         is_mla = bool(archs & MLA_ARCHITECTURES) or "kv_lora_rank" in serve.model_config
         if serve.model_config and not is_mla:
-            findings.append(F("ok", name, "not an MLA model: this failure is specific to MLA prefill"))
+            findings.append(
+                F("ok", name, "not an MLA model: this failure is specific to MLA prefill")
+            )
             return findings
         backend = str(serve.attention_config.get("mla_prefill_backend") or "").upper()
         if backend and backend != "FLASH_ATTN":
-            findings.append(F("ok", name, f"mla_prefill_backend={backend}: MLA prefill does not use "
-                              "FA4, so this failure cannot happen"))
+            findings.append(
+                F(
+                    "ok",
+                    name,
+                    f"mla_prefill_backend={backend}: MLA prefill does not use "
+                    "FA4, so this failure cannot happen",
+                )
+            )
             return findings
         if serve.kernel_config.get("enable_cutedsl_warmup") is False:
-            findings.append(F("info", name, "enable_cutedsl_warmup=false (the workaround) avoids the "
-                              "crash; cost: each FA4 kernel JIT-compiles on first use, a stall of "
-                              "~15-25 s in the serving path; with the fix applied, drop it to get "
-                              "the warm-up back"))
+            findings.append(
+                F(
+                    "info",
+                    name,
+                    "enable_cutedsl_warmup=false (the workaround) avoids the "
+                    "crash; cost: each FA4 kernel JIT-compiles on first use, a stall of "
+                    "~15-25 s in the serving path; with the fix applied, drop it to get "
+                    "the warm-up back",
+                )
+            )
     findings.append(_diagnose_fix_state(env))
     return findings
 
 
 # The serve flags doctor suggests when the fix is not applied; tests check them
 # with each affected release's own config classes.
-WORKAROUND_FLAGS = ("--attention-config '{\"mla_prefill_backend\": \"TRTLLM_RAGGED\"}'",
-                    "--kernel-config '{\"enable_cutedsl_warmup\": false}'")
+WORKAROUND_FLAGS = (
+    '--attention-config \'{"mla_prefill_backend": "TRTLLM_RAGGED"}\'',
+    "--kernel-config '{\"enable_cutedsl_warmup\": false}'",
+)
 
 
 def _diagnose_fix_state(env):
-    from vllm_mla_fixes.report import Finding as F, fix_verdict
+    from vllm_mla_fixes.report import Finding as F
+    from vllm_mla_fixes.report import fix_verdict
 
     if env.fix_state(INFO.name) == "applied":
-        return F("ok", INFO.name, "the fix is armed here: it checks and patches FA4 in each worker "
-                 "when vLLM imports it, before warm-up; the worker log says "
-                 f"'vllm-mla-fixes: {INFO.name}: patched'", "run the same serve line")
-    if env.fix_state(INFO.name) == "skipped" and env.fix_reason(INFO.name).startswith("cannot probe here"):
-        return F("warn", INFO.name, f"the fix cannot check FA4 in this process "
-                 f"(skipped: {env.fix_reason(INFO.name)}); on a GPU node with vLLM's CUDA build it can",
-                 "run doctor on the GPU node")
+        return F(
+            "ok",
+            INFO.name,
+            "the fix is armed here: it checks and patches FA4 in each worker "
+            "when vLLM imports it, before warm-up; the worker log says "
+            f"'vllm-mla-fixes: {INFO.name}: patched'",
+            "run the same serve line",
+        )
+    if env.fix_state(INFO.name) == "skipped" and env.fix_reason(INFO.name).startswith(
+        "cannot probe here"
+    ):
+        return F(
+            "warn",
+            INFO.name,
+            f"the fix cannot check FA4 in this process "
+            f"(skipped: {env.fix_reason(INFO.name)}); on a GPU node with vLLM's CUDA build it can",
+            "run doctor on the GPU node",
+        )
     verdict = fix_verdict(env, INFO.name)
     if verdict.level == "error":
-        verdict.advice += (f"; or work around it: {WORKAROUND_FLAGS[0]} (no FA4), or "
-                           f"{WORKAROUND_FLAGS[1]} (a JIT stall on each kernel's first use), "
-                           f"or upgrade to vLLM {INFO.fixed_in}")
+        verdict.advice += (
+            f"; or work around it: {WORKAROUND_FLAGS[0]} (no FA4), or "
+            f"{WORKAROUND_FLAGS[1]} (a JIT stall on each kernel's first use), "
+            f"or upgrade to vLLM {INFO.fixed_in}"
+        )
     return verdict

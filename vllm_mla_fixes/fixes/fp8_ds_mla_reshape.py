@@ -47,7 +47,7 @@ from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch, find_definit
 INFO = FixInfo(
     name="fp8-ds-mla-reshape",
     summary="FLASHMLA_SPARSE + fp8 KV (fp8_ds_mla, 656 B/token) crashes at start-up: "
-            "the MLA KV spec says 'not quantised' and the reshape asks for 576 B/token",
+    "the MLA KV spec says 'not quantised' and the reshape asks for 576 B/token",
     upstream=("vllm#48896", "vllm#48378", "vllm#48379", "vllm#48907"),
     affected=">0.24.0,<0.26.0",
     affected_releases=("0.25.0", "0.25.1"),
@@ -71,8 +71,14 @@ PRODUCER_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 RESHAPE_MODULE = "vllm.v1.worker.gpu.attn_utils"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 RESHAPE_FUNCTION = "_reshape_attention_kv_cache"
-RESHAPE_PARAMS = ("kv_raw_tensor", "kv_cache_spec", "kv_cache_shape",
-                  "kv_cache_stride_order", "num_blocks", "packing")
+RESHAPE_PARAMS = (
+    "kv_raw_tensor",
+    "kv_cache_spec",
+    "kv_cache_shape",
+    "kv_cache_stride_order",
+    "num_blocks",
+    "packing",
+)
 
 # The definitions the fix wraps or whose code its probe reads, by (module,
 # qualified name): fingerprint -> the releases it was reviewed in.  The probe
@@ -84,7 +90,9 @@ REVIEWED: dict[tuple[str, str], dict[str, str]] = {
     (PRODUCER_MODULE, "MLAAttention.get_kv_cache_spec"): {"5098a2f6686b3bc5": "0.25.0, 0.25.1"},
     (RESHAPE_MODULE, RESHAPE_FUNCTION): {"0ef5427d42791b16": "0.25.0, 0.25.1"},
     (RESHAPE_MODULE, "_reshape_kv_cache"): {"3f06df28f8760536": "0.25.0, 0.25.1"},
-    (RUNNER_MODULE, "GPUModelRunner._reshape_kv_cache_tensors"): {"e3314192fb12266c": "0.25.0, 0.25.1"},
+    (RUNNER_MODULE, "GPUModelRunner._reshape_kv_cache_tensors"): {
+        "e3314192fb12266c": "0.25.0, 0.25.1"
+    },
 }
 
 
@@ -101,8 +109,12 @@ def producer_sets_quant_mode() -> bool:
     method = _definition(PRODUCER_MODULE, "MLAAttention.get_kv_cache_spec")
     if method is None:
         raise TargetMismatch("MLAAttention.get_kv_cache_spec not found")
-    spec_calls = [n for n in ast.walk(method) if isinstance(n, ast.Call)
-                  and getattr(n.func, "id", getattr(n.func, "attr", None)) == "MLAAttentionSpec"]
+    spec_calls = [
+        n
+        for n in ast.walk(method)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "id", getattr(n.func, "attr", None)) == "MLAAttentionSpec"
+    ]
     if not spec_calls:
         raise TargetMismatch("MLAAttention.get_kv_cache_spec builds no MLAAttentionSpec")
     return all(any(k.arg == "kv_quant_mode" for k in call.keywords) for call in spec_calls)
@@ -116,9 +128,11 @@ def reshape_reads_quant_mode() -> bool:
         _definition(RESHAPE_MODULE, "_reshape_kv_cache"),
     )
     return any(
-        isinstance(node, ast.Attribute) and node.attr == "NONE"
+        isinstance(node, ast.Attribute)
+        and node.attr == "NONE"
         and getattr(node.value, "id", None) == "KVQuantMode"
-        for consumer in consumers if consumer is not None
+        for consumer in consumers
+        if consumer is not None
         for node in ast.walk(consumer)
     )
 
@@ -130,14 +144,17 @@ def probe() -> str | None:
         from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec
     except ImportError as exc:
         raise TargetMismatch(f"{SPEC_MODULE} lacks MLAAttentionSpec/KVQuantMode ({exc})") from exc
-    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
-                            dtype=torch.uint8, cache_dtype_str=FP8_DS_MLA)
+    spec = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8, cache_dtype_str=FP8_DS_MLA
+    )
     if spec.page_size_bytes != 64 * FP8_DS_MLA_BYTES_PER_TOKEN:
         raise TargetMismatch(
-            f"an fp8_ds_mla page is {spec.page_size_bytes} bytes, not 64 x {FP8_DS_MLA_BYTES_PER_TOKEN}")
+            f"an fp8_ds_mla page is {spec.page_size_bytes} bytes, not 64 x {FP8_DS_MLA_BYTES_PER_TOKEN}"
+        )
     if spec.kv_quant_mode is not KVQuantMode.NONE:
         return "MLAAttentionSpec already derives kv_quant_mode from fp8_ds_mla"
     from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
+
     return cached_screen(sys.modules[__name__], source_screen)
 
 
@@ -193,7 +210,8 @@ def _with_layout_check(original_reshape):
                     f"{spec.page_size_bytes}) for {spec!r}. The spec's layout fields "
                     f"(cache_dtype_str, kv_quant_mode) disagree about the page format; this is a "
                     f"vLLM bug, not a configuration error -- report it with this message. "
-                    f"Meanwhile --kv-cache-dtype auto avoids quantised layouts.")
+                    f"Meanwhile --kv-cache-dtype auto avoids quantised layouts."
+                )
         return original_reshape(*args, **kwargs)
 
     return reshape_with_layout_check
@@ -205,7 +223,9 @@ def apply(patch: Patch) -> None:
     for spec_class in (kvi.MLAAttentionSpec, kvi.SlidingWindowMLASpec):
         if "__post_init__" not in spec_class.__dict__:
             raise TargetMismatch(f"{spec_class.__name__} defines no __post_init__ of its own")
-        patch.replace(spec_class, "__post_init__", _derive_quant_mode(spec_class.__dict__["__post_init__"]))
+        patch.replace(
+            spec_class, "__post_init__", _derive_quant_mode(spec_class.__dict__["__post_init__"])
+        )
 
     def install_guard(module) -> None:
         original = getattr(module, RESHAPE_FUNCTION, None)
@@ -218,6 +238,7 @@ def apply(patch: Patch) -> None:
 
 # -- doctor ------------------------------------------------------------------------
 
+
 def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
@@ -227,37 +248,81 @@ def diagnose(env, serve) -> list:
     name = INFO.name
     vllm_version = env.packages.get("vllm")
     if serve is None:
-        return [Finding("info", name, f"vLLM {vllm_version} has this bug for sparse-MLA models "
-                        "(GLM-5.x, DeepSeek-V3.2) with --kv-cache-dtype fp8 on FLASHMLA_SPARSE"),
-                fix_verdict(env, name)]
+        return [
+            Finding(
+                "info",
+                name,
+                f"vLLM {vllm_version} has this bug for sparse-MLA models "
+                "(GLM-5.x, DeepSeek-V3.2) with --kv-cache-dtype fp8 on FLASHMLA_SPARSE",
+            ),
+            fix_verdict(env, name),
+        ]
     findings = []
-    sparse = bool(set(serve.architectures) & SPARSE_MLA_ARCHITECTURES) or "index_topk" in serve.model_config
+    sparse = (
+        bool(set(serve.architectures) & SPARSE_MLA_ARCHITECTURES)
+        or "index_topk" in serve.model_config
+    )
     if not serve.model_config:
-        findings.append(Finding("info", name, f"cannot read the config of {serve.model!r} offline; "
-                                "assuming it may be a sparse-MLA model"))
+        findings.append(
+            Finding(
+                "info",
+                name,
+                f"cannot read the config of {serve.model!r} offline; "
+                "assuming it may be a sparse-MLA model",
+            )
+        )
         sparse = True
     fp8 = serve.kv_cache_dtype.startswith("fp8")
     sm = env.capability[0] if env.capability else None
     backend = serve.attention_backend or ("FLASHMLA_SPARSE" if sm == 9 else None)
     if not (sparse and fp8):
-        findings.append(Finding("ok", name, "this line does not store fp8_ds_mla "
-                                f"(sparse MLA: {sparse}, --kv-cache-dtype {serve.kv_cache_dtype})"))
+        findings.append(
+            Finding(
+                "ok",
+                name,
+                "this line does not store fp8_ds_mla "
+                f"(sparse MLA: {sparse}, --kv-cache-dtype {serve.kv_cache_dtype})",
+            )
+        )
         return findings
     if backend not in ("FLASHMLA_SPARSE", None):
-        findings.append(Finding("ok", name, f"--attention-backend {backend}: this failure is "
-                                "specific to FLASHMLA_SPARSE"))
+        findings.append(
+            Finding(
+                "ok",
+                name,
+                f"--attention-backend {backend}: this failure is specific to FLASHMLA_SPARSE",
+            )
+        )
         return findings
-    findings.append(Finding("warn", name, f"vLLM {vllm_version} + sparse MLA + --kv-cache-dtype "
-                            f"{serve.kv_cache_dtype} (stored as {FP8_DS_MLA}, "
-                            f"{FP8_DS_MLA_BYTES_PER_TOKEN} B/token) on "
-                            f"{backend or 'FLASHMLA_SPARSE (likely on this GPU)'} fails at start-up: "
-                            f"{INFO.error}"))
+    findings.append(
+        Finding(
+            "warn",
+            name,
+            f"vLLM {vllm_version} + sparse MLA + --kv-cache-dtype "
+            f"{serve.kv_cache_dtype} (stored as {FP8_DS_MLA}, "
+            f"{FP8_DS_MLA_BYTES_PER_TOKEN} B/token) on "
+            f"{backend or 'FLASHMLA_SPARSE (likely on this GPU)'} fails at start-up: "
+            f"{INFO.error}",
+        )
+    )
     if serve.enforce_eager:
-        findings.append(Finding("warn", name, "--enforce-eager does not avoid this crash on 0.25.x: "
-                                "KV-cache initialisation fails the same way after profiling is skipped",
-                                "drop --enforce-eager once the fix is applied (it costs CUDA-graph speed)"))
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                "--enforce-eager does not avoid this crash on 0.25.x: "
+                "KV-cache initialisation fails the same way after profiling is skipped",
+                "drop --enforce-eager once the fix is applied (it costs CUDA-graph speed)",
+            )
+        )
     if serve.kv_offloading or serve.prefix_caching:
-        findings.append(Finding("info", name, "KV offloading / prefix caching are not a factor: the "
-                                "reshape fails before either is used; no need to remove them"))
+        findings.append(
+            Finding(
+                "info",
+                name,
+                "KV offloading / prefix caching are not a factor: the "
+                "reshape fails before either is used; no need to remove them",
+            )
+        )
     findings.append(fix_verdict(env, name))
     return findings

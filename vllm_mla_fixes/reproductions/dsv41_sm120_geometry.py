@@ -56,9 +56,11 @@ REPORT_CALL = {"num_tokens": 8, "num_heads": 8, "topk": 128}
 BLOCK_SIZE_ERROR = "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])."
 INDEXER_BLOCK_SIZE_ERROR = "No common block size for 64 (DEEPSEEK_V41_INDEXER: [128])."
 # 0.34.0: both backends take [64] on SM12x, so a packed 128-token block must be split.
-SPLIT_ERROR = ("FLASHINFER_MLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed 128-token "
-               "KV cache blocks cannot be split into. Reduce --block-size to 64 or set "
-               "VLLM_KV_CACHE_LAYOUT to a layer-compact layout (e.g. LBNHC).")
+SPLIT_ERROR = (
+    "FLASHINFER_MLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed 128-token "
+    "KV cache blocks cannot be split into. Reduce --block-size to 64 or set "
+    "VLLM_KV_CACHE_LAYOUT to a layer-compact layout (e.g. LBNHC)."
+)
 START_ERRORS = (BLOCK_SIZE_ERROR, SPLIT_ERROR)
 CPU = torch.device("cpu")
 
@@ -74,6 +76,7 @@ def attention_prefix(layer: int) -> str:
 
 # ------------------------------------------------------------------ the layers
 
+
 def make_vllm_config(block_size: int, num_gpu_blocks_override: int | None = None):
     """A real ``VllmConfig`` as an SM120 serve with ``--kv-cache-dtype fp8
     --block-size B`` has it when the model's layers are built.  The hybrid KV
@@ -82,8 +85,11 @@ def make_vllm_config(block_size: int, num_gpu_blocks_override: int | None = None
 
     config = VllmConfig(
         device_config=DeviceConfig(device="cuda"),
-        cache_config=CacheConfig(block_size=block_size, cache_dtype="fp8",
-                                 num_gpu_blocks_override=num_gpu_blocks_override),
+        cache_config=CacheConfig(
+            block_size=block_size,
+            cache_dtype="fp8",
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        ),
     )
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
@@ -118,8 +124,11 @@ def build_layers(vllm_config, model: dict) -> dict[str, Any]:
             attn.compress_ratio = int(ratios[layer_id])
             attn.is_kv_source = layer_id in kv_sources
             attn.kv_cache_dtype, attn.kv_cache_torch_dtype = v41._resolve_dsv4_kv_cache_dtype(
-                attn._uses_fp8_ds_mla_layout(), cache_config.cache_dtype, cache_config,
-                attn.packed_kv_cache_dtype)
+                attn._uses_fp8_ds_mla_layout(),
+                cache_config.cache_dtype,
+                cache_config,
+                attn.packed_kv_cache_dtype,
+            )
             attn.kv_mxfp8 = v41._use_v41_mxfp8_kv_record()
             attn.swa_bytes_per_token = 528 if attn.kv_mxfp8 else 584
             attn.compressed_bytes_per_token = attn.swa_bytes_per_token
@@ -128,24 +137,37 @@ def build_layers(vllm_config, model: dict) -> dict[str, Any]:
             context[prefix] = attn
             # The sliding-window cache, through the module name __init__ uses.
             attn.swa_cache_layer = v41.DeepseekV4SWACache(
-                head_dim=attn.head_dim, window_size=attn.window_size,
-                dtype=attn.kv_cache_torch_dtype, prefix=f"{prefix}.swa_cache",
-                cache_config=cache_config, backend_cls=attn.swa_backend_cls,
-                block_size=32, packed_bytes_per_token=attn.swa_bytes_per_token,
-                packed_page_alignment=attn.kv_page_alignment, bounded_replay=False)
+                head_dim=attn.head_dim,
+                window_size=attn.window_size,
+                dtype=attn.kv_cache_torch_dtype,
+                prefix=f"{prefix}.swa_cache",
+                cache_config=cache_config,
+                backend_cls=attn.swa_backend_cls,
+                block_size=32,
+                packed_bytes_per_token=attn.swa_bytes_per_token,
+                packed_page_alignment=attn.kv_page_alignment,
+                bounded_replay=False,
+            )
             if attn.is_kv_source and attn.compress_ratio > 1:
-                CompressorStateCache(state_dim=2 * attn.head_dim, dtype=torch.float32,
-                                     prefix=f"{prefix}.compressor.state_cache")
+                CompressorStateCache(
+                    state_dim=2 * attn.head_dim,
+                    dtype=torch.float32,
+                    prefix=f"{prefix}.compressor.state_cache",
+                )
             if attn.is_kv_source and layer_id in index_sources:
                 v41.DeepseekV4IndexerCache(
                     head_dim=v41._indexer_k_cache_head_dim(model["index_head_dim"], False),
-                    dtype=torch.uint8, prefix=f"{prefix}.indexer.k_cache",
-                    cache_config=cache_config, compress_ratio=attn.compress_ratio)
+                    dtype=torch.uint8,
+                    prefix=f"{prefix}.indexer.k_cache",
+                    cache_config=cache_config,
+                    compress_ratio=attn.compress_ratio,
+                )
             layers[prefix] = attn
     return layers
 
 
 # -------------------------------------------------------------- vLLM's pipeline
+
 
 def _planner():
     """Module with ``get_kv_cache_groups``/``get_kv_cache_config_from_groups``
@@ -171,13 +193,16 @@ class Geometry:
         return self.vllm_config.compilation_config.static_forward_context
 
 
-def plan_geometry(block_size: int, model: dict | None = None,
-                  num_gpu_blocks_override: int | None = 8,
-                  available_memory: int = 1 << 30) -> Geometry:
+def plan_geometry(
+    block_size: int,
+    model: dict | None = None,
+    num_gpu_blocks_override: int | None = 8,
+    available_memory: int = 1 << 30,
+) -> Geometry:
     """Layers -> specs -> layout -> groups -> KV-cache config -> attention groups
     -> kernel block sizes, each step vLLM's own."""
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
@@ -189,8 +214,10 @@ def plan_geometry(block_size: int, model: dict | None = None,
     vllm_config = make_vllm_config(block_size, num_gpu_blocks_override)
     layers = build_layers(vllm_config, DSV41_FLASH if model is None else model)
     specs = get_kv_cache_spec(vllm_config)
-    backends = {layer.get_attn_backend() for layer in
-                get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()}
+    backends = {
+        layer.get_attn_backend()
+        for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
+    }
     layouts = [layout.name for layout in get_supported_kv_cache_layouts(sorted(backends, key=str))]
     layout = resolve_kv_cache_layout(vllm_config, [layouts], specs.values())
     vllm_config.cache_config.kv_cache_layout = layout.name
@@ -230,8 +257,9 @@ def select_kernel_block_sizes(geometry: Geometry) -> dict[str, int]:
     for group_id, groups in enumerate(geometry.attn_groups):
         for group in groups:
             if isinstance(group.kv_cache_spec, AttentionSpec):
-                size = select_common_block_size(geometry.kernel_block_sizes[group_id],
-                                                [group.backend], [group.kv_cache_spec])
+                size = select_common_block_size(
+                    geometry.kernel_block_sizes[group_id], [group.backend], [group.kv_cache_spec]
+                )
                 chosen[f"{group.backend.get_name()}:{group.layer_names[0]}"] = size
                 if size != group.kv_cache_spec.block_size:
                     group.kernel_block_size = size
@@ -247,20 +275,22 @@ def create_metadata_builders(geometry: Geometry, max_model_len: int = 8192) -> N
     prefill-workspace factor is what ``VllmConfig`` resolves for contexts up to 256K."""
     from types import SimpleNamespace
 
-    from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
     from vllm.models.deepseek_v41.compressor import CompressorBackend
+    from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
 
     model = dict(DSV41_FLASH, qk_rope_head_dim=64, index_topk=512)
     hf_config = DeepseekV41Config(text_config=model)
     config = geometry.vllm_config
-    config.model_config = SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config,
-                                          max_model_len=max_model_len)
+    config.model_config = SimpleNamespace(
+        hf_config=hf_config, hf_text_config=hf_config, max_model_len=max_model_len
+    )
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     for group_id, groups in enumerate(geometry.attn_groups):
         for group in groups:
             if group.backend is not CompressorBackend:  # its ring is never split or read here
-                group.create_metadata_builders(config, CPU,
-                                               kernel_block_size=geometry.kernel_block_sizes[group_id])
+                group.create_metadata_builders(
+                    config, CPU, kernel_block_size=geometry.kernel_block_sizes[group_id]
+                )
 
 
 def start_upstream(block_size: int) -> tuple[Geometry | None, str | None]:
@@ -282,8 +312,9 @@ def allocate_and_bind(geometry: Geometry) -> dict[str, torch.Tensor]:
     from vllm.v1.worker import utils as worker_utils
 
     layout = geometry.vllm_config.cache_config.get_resolved_kv_cache_layout()
-    kv_caches = worker_utils.allocate_kv_cache(geometry.kv_cache_config, CPU, layout,
-                                               geometry.kernel_block_sizes)
+    kv_caches = worker_utils.allocate_kv_cache(
+        geometry.kv_cache_config, CPU, layout, geometry.kernel_block_sizes
+    )
     flat_groups = [group for groups in geometry.attn_groups for group in groups]
     views = worker_utils.map_kv_caches_to_kernel_blocks(kv_caches, flat_groups)
     worker_utils.bind_kv_cache_to_layers(views, geometry.forward_context)
@@ -311,7 +342,9 @@ def flashinfer_pages(geometry: Geometry) -> list[Page]:
             pages.append(Page(layer.swa_cache_layer.prefix, "swa", 0, int(swa.shape[1])))
             if layer.is_kv_source:
                 compressed = layer._as_sparse_cache(layer.kv_cache)
-                pages.append(Page(name, "compressed", layer.compress_ratio, int(compressed.shape[1])))
+                pages.append(
+                    Page(name, "compressed", layer.compress_ratio, int(compressed.shape[1]))
+                )
         elif isinstance(layer, v41.DeepseekV4IndexerCache):
             pages.append(Page(name, "indexer", layer.compress_ratio, int(layer.kv_cache.shape[1])))
     return pages
@@ -319,14 +352,21 @@ def flashinfer_pages(geometry: Geometry) -> list[Page]:
 
 # ----------------------------------------------------------------- FlashInfer
 
+
 def flashinfer_version() -> str:
     import flashinfer
 
     return str(flashinfer.__version__)
 
 
-def sm120_decode_verdict(page_block_size: int, has_extra: bool, *, num_tokens: int = 8,
-                         num_heads: int = 8, topk: int = 128) -> str | None:
+def sm120_decode_verdict(
+    page_block_size: int,
+    has_extra: bool,
+    *,
+    num_tokens: int = 8,
+    num_heads: int = 8,
+    topk: int = 128,
+) -> str | None:
     """None if FlashInfer routes the DSV4 call to a kernel, else its error text.
 
     FlashInfer 0.7.0.post1: its SM120 planner's decision (``plan`` ->
@@ -343,23 +383,37 @@ def sm120_decode_verdict(page_block_size: int, has_extra: bool, *, num_tokens: i
         from flashinfer.mla import supported_sparse_mla_sm120_configs
 
         config = supported_sparse_mla_sm120_configs()["dsv4"]
-        ok = config.supports_decode(num_heads, topk, num_tokens=num_tokens,
-                                    page_block_size=page_block_size)
+        ok = config.supports_decode(
+            num_heads, topk, num_tokens=num_tokens, page_block_size=page_block_size
+        )
         return None if ok else f"outside the static dsv4 decode envelope (page {page_block_size})"
     model_type = planner._MODEL_TYPE_DSV4
     planned = planner._select_calibrated_variant(
         decode_eligible=planner.decode_splitk_eligible(
-            model_type, num_heads, topk, page_block_size, has_extra, num_tokens),
+            model_type, num_heads, topk, page_block_size, has_extra, num_tokens
+        ),
         decode_variant=planner.KernelVariant.DECODE_SPLITK,
         prefill_variant=planner.prefill_variant(
-            model_type, num_heads, topk, page_block_size, has_extra,
-            planner._normalize_prefill_impl(None)),
-        decode_preferred=None)
+            model_type,
+            num_heads,
+            topk,
+            page_block_size,
+            has_extra,
+            planner._normalize_prefill_impl(None),
+        ),
+        decode_preferred=None,
+    )
     if planned is not None:
         return None
-    return _decode_dispatch_error_message(num_tokens=num_tokens, num_heads=num_heads, topk=topk,
-                                          d_qk=512, page_block_size=page_block_size,
-                                          model_type=planner._MODEL_TYPE_DSV4, extra_topk=0)
+    return _decode_dispatch_error_message(
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        topk=topk,
+        d_qk=512,
+        page_block_size=page_block_size,
+        model_type=planner._MODEL_TYPE_DSV4,
+        extra_topk=0,
+    )
 
 
 def flashinfer_primary_page(kv_cache: torch.Tensor) -> int:
@@ -386,8 +440,12 @@ def sm120_platform(capability: tuple[int, int] = (12, 0), num_sms: int = 188):
     from vllm.platforms.interface import DeviceCapability
 
     platform_class = type(current_platform)
-    answers = {"get_device_capability": classmethod(lambda cls, device_id=0: DeviceCapability(*capability)),
-               "num_compute_units": classmethod(lambda cls, device_id=0: num_sms)}
+    answers = {
+        "get_device_capability": classmethod(
+            lambda cls, device_id=0: DeviceCapability(*capability)
+        ),
+        "num_compute_units": classmethod(lambda cls, device_id=0: num_sms),
+    }
     own = {name: platform_class.__dict__.get(name) for name in answers}
     for name, answer in answers.items():
         setattr(platform_class, name, answer)
@@ -418,6 +476,7 @@ def sm120_paged_mqa_page_sizes() -> tuple[int, ...]:
 
 # ------------------------------------------------------------------- the fix
 
+
 class applied:
     """Context manager: the fix applied as on an SM``capability`` device, reverted after."""
 
@@ -444,6 +503,7 @@ def _installed_vllm() -> str:
 
 
 # ------------------------------------------------------------------ capacity
+
 
 def capacity(block_size: int, max_model_len: int, memory: int = 1 << 30) -> dict[str, float]:
     """KV capacity of the geometry for ``--block-size``, as vLLM reports it at
@@ -473,6 +533,7 @@ def capacity(block_size: int, max_model_len: int, memory: int = 1 << 30) -> dict
 
 # -------------------------------------------------------------------- verify
 
+
 def verify(report: Callable[[str], None]) -> bool:
     """Reproduce the upstream failures, then show the fixed geometry, on an
     SM120 platform stand-in (see :func:`sm120_platform`)."""
@@ -495,11 +556,19 @@ def _verify(report: Callable[[str], None]) -> bool:
         swa = next(layer for layer in geometry.layers.values() if layer.compress_ratio == 0)
         verdict = sm120_decode_verdict(
             flashinfer_primary_page(swa._as_sparse_cache(swa.swa_cache_layer.kv_cache)),
-            has_extra=False, **REPORT_CALL)
+            has_extra=False,
+            **REPORT_CALL,
+        )
         report(f"  FlashInfer SM120, SWA-only layer decode: {verdict or 'accepted'}")
-        wrong = sorted({page.rows for page in pages if page.kind == "indexer" and page.rows not in mqa_pages})
-        report(f"  indexer pages of {wrong} states; SM120 paged-MQA logits take {list(mqa_pages)} "
-               "(vLLM's get_paged_mqa_page_sizes)" if wrong else "  indexer pages all fit SM120 paged-MQA")
+        wrong = sorted(
+            {page.rows for page in pages if page.kind == "indexer" and page.rows not in mqa_pages}
+        )
+        report(
+            f"  indexer pages of {wrong} states; SM120 paged-MQA logits take {list(mqa_pages)} "
+            "(vLLM's get_paged_mqa_page_sizes)"
+            if wrong
+            else "  indexer pages all fit SM120 paged-MQA"
+        )
         ok &= any(page.rows != fix.PAGE_ROWS for page in pages)  # the bug: some page is not 64 rows
 
     with applied((12, 0)) as result:
@@ -511,21 +580,32 @@ def _verify(report: Callable[[str], None]) -> bool:
             create_metadata_builders(geometry)
             allocate_and_bind(geometry)  # runs the start-up self-check
             pages = flashinfer_pages(geometry)
-            verdicts = {sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed", **REPORT_CALL)
-                        for page in pages if page.kind != "indexer"}
+            verdicts = {
+                sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed", **REPORT_CALL)
+                for page in pages
+                if page.kind != "indexer"
+            }
             good = all(page.rows == fix.PAGE_ROWS for page in pages) and verdicts == {None}
-            report(f"--block-size {block_size}, fixed: kernel block sizes "
-                   f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "
-                   f"FlashInfer SM120 planner: {'accepts all' if verdicts == {None} else verdicts}")
+            report(
+                f"--block-size {block_size}, fixed: kernel block sizes "
+                f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "
+                f"FlashInfer SM120 planner: {'accepts all' if verdicts == {None} else verdicts}"
+            )
             ok &= good
-            ratio1 = [geometry.forward_context[name].kv_cache for name in
-                      ("model.layers.20.attn", "model.layers.20.attn.indexer.k_cache")]
-            interleaved = (fix.geometry_decision(geometry.vllm_config)[0] == fix.SPLIT
-                           and {view.stride(0) for view in ratio1} == {46080}
-                           and ratio1[1].storage_offset() - ratio1[0].storage_offset() == 37440)
-            report(f"  {fix.status_detail()}; ratio-1 compressed/indexer kernel pages "
-                   f"{'interleaved every 46,080 B' if interleaved else 'NOT interleaved'} in "
-                   f"{geometry.kv_cache_config.kv_cache_tensors[0].block_stride}-B blocks")
+            ratio1 = [
+                geometry.forward_context[name].kv_cache
+                for name in ("model.layers.20.attn", "model.layers.20.attn.indexer.k_cache")
+            ]
+            interleaved = (
+                fix.geometry_decision(geometry.vllm_config)[0] == fix.SPLIT
+                and {view.stride(0) for view in ratio1} == {46080}
+                and ratio1[1].storage_offset() - ratio1[0].storage_offset() == 37440
+            )
+            report(
+                f"  {fix.status_detail()}; ratio-1 compressed/indexer kernel pages "
+                f"{'interleaved every 46,080 B' if interleaved else 'NOT interleaved'} in "
+                f"{geometry.kv_cache_config.kv_cache_tensors[0].block_stride}-B blocks"
+            )
             ok &= interleaved
     return bool(ok)
 

@@ -49,13 +49,13 @@ import time
 import types
 from collections.abc import Callable, Iterable
 
-NUM_HEADS = 8            # Kimi-K2.5 per rank at TP8
-QK_HEAD_DIM = 192        # nope 128 + rope 64
+NUM_HEADS = 8  # Kimi-K2.5 per rank at TP8
+QK_HEAD_DIM = 192  # nope 128 + rope 64
 V_HEAD_DIM = 128
-KV_NOPE_HEAD_DIM = 256   # k_nope and v side by side; V is the last 128 columns
+KV_NOPE_HEAD_DIM = 256  # k_nope and v side by side; V is the last 128 columns
 B200_SMS = 148
-WARMUP_LONG_K = 8192     # vLLM's "very_long_k" warm-up probe
-CONTEXT_TOKENS = 8200    # a context chunk of a prompt just over 8k tokens
+WARMUP_LONG_K = 8192  # vLLM's "very_long_k" warm-up probe
+CONTEXT_TOKENS = 8200  # a context chunk of a prompt just over 8k tokens
 CALL_TIMEOUT_S = 120
 
 UPSTREAM_SIGNATURE = (
@@ -72,8 +72,10 @@ UPSTREAM_SIGNATURE = (
 def upstream_error(expected_stride: int) -> str:
     """The exact text of vLLM #49200's error for a kernel warmed up with a
     stride[0] of ``expected_stride``."""
-    return (f"ValueError: Mismatched mO.strides[0] on argument #3 when calling: "
-            f"{UPSTREAM_SIGNATURE}, expected to be {expected_stride}")
+    return (
+        f"ValueError: Mismatched mO.strides[0] on argument #3 when calling: "
+        f"{UPSTREAM_SIGNATURE}, expected to be {expected_stride}"
+    )
 
 
 # The warm-up probe that compiles the kernel of the report: q 129, k 8192.
@@ -103,21 +105,77 @@ def default_steps() -> list[Step]:
     crosses the q_stage line (128), the M-block lines (multiples of 256) and
     the points where num_splits changes, down to one split (b*m > 8 M-blocks
     per head at 132 SMs); contexts cross the 64-block line (8065 tokens)."""
-    steps = [Step((q,), (WARMUP_LONG_K,)) for q in (
-        1, 2, 17, 64, 127, 128, 129, 130, 200, 255, 256, 257, 300, 384, 511, 512, 513,
-        640, 767, 768, 769, 1000, 1024, 1025, 1280, 1536, 1537, 1792, 2047, 2048, 2049,
-        2304, 2305, 3000, 4096, 8192)]
+    steps = [
+        Step((q,), (WARMUP_LONG_K,))
+        for q in (
+            1,
+            2,
+            17,
+            64,
+            127,
+            128,
+            129,
+            130,
+            200,
+            255,
+            256,
+            257,
+            300,
+            384,
+            511,
+            512,
+            513,
+            640,
+            767,
+            768,
+            769,
+            1000,
+            1024,
+            1025,
+            1280,
+            1536,
+            1537,
+            1792,
+            2047,
+            2048,
+            2049,
+            2304,
+            2305,
+            3000,
+            4096,
+            8192,
+        )
+    ]
     for ctx in (4096, 8064, 8065, 8128, 8200, 9000, 10239, 16384, 65536):
         steps += [Step((100,), (ctx,)), Step((300,), (ctx,))]
     # a long prompt's continuation batched with new prompts (no context yet)
-    for q_lens in ((129, 1), (130, 17), (300, 64), (200, 56, 44), (64, 64), (1, 127), (128, 1),
-                   (256, 256), (500, 12), (33, 33, 33, 33), (700, 300), (129,) * 4, (129,) * 8,
-                   (129,) * 9, (1,) * 16, (2000, 1000)):
+    for q_lens in (
+        (129, 1),
+        (130, 17),
+        (300, 64),
+        (200, 56, 44),
+        (64, 64),
+        (1, 127),
+        (128, 1),
+        (256, 256),
+        (500, 12),
+        (33, 33, 33, 33),
+        (700, 300),
+        (129,) * 4,
+        (129,) * 8,
+        (129,) * 9,
+        (1,) * 16,
+        (2000, 1000),
+    ):
         steps.append(Step(q_lens, (WARMUP_LONG_K,) + (0,) * (len(q_lens) - 1)))
     # several prompts with context in the same chunk (the workspace splits 64K tokens)
-    for q_lens, ctx in (((130, 40), (8192, 4096)), ((1, 1), (8192, 8192)),
-                        ((300, 300), (9000, 8100)), ((64,) * 8, (8192,) * 8),
-                        ((64,) * 9, (7281,) * 9)):
+    for q_lens, ctx in (
+        ((130, 40), (8192, 4096)),
+        ((1, 1), (8192, 8192)),
+        ((300, 300), (9000, 8100)),
+        ((64,) * 8, (8192,) * 8),
+        ((64,) * 9, (7281,) * 9),
+    ):
         steps.append(Step(q_lens, ctx))
     return steps
 
@@ -170,7 +228,9 @@ def expose_fa4_package() -> bool:
 def prepare() -> types.SimpleNamespace:
     """Import vLLM's FA4 CuTe code and warm-up plan on this CPU machine."""
     if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
-        raise RuntimeError("run with CUDA_VISIBLE_DEVICES='' so that no kernel launch can reach a GPU")
+        raise RuntimeError(
+            "run with CUDA_VISIBLE_DEVICES='' so that no kernel launch can reach a GPU"
+        )
     os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_100a")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
     import torch
@@ -185,7 +245,8 @@ def prepare() -> types.SimpleNamespace:
     fa_utils = importlib.import_module("vllm.v1.attention.backends.fa_utils")
     if getattr(fa_utils, "compile_flash_attn_varlen_func_from_specs", None) is None:
         fa_utils.compile_flash_attn_varlen_func_from_specs = (
-            fa_interface.compile_flash_attn_varlen_func_from_specs)
+            fa_interface.compile_flash_attn_varlen_func_from_specs
+        )
     warmup = importlib.import_module("vllm.model_executor.warmup.fa4_cutedsl_config")
     return types.SimpleNamespace(torch=torch, vllm=vllm, interface=interface, warmup=warmup)
 
@@ -218,16 +279,25 @@ def forward_cache(env) -> _KeyLog:
 def warmup_requests(env):
     """vLLM's FA4 MLA-prefill warm-up plan for this shape, in its order."""
     ctx = env.warmup.FA4MLAPrefillCompileContext(
-        dtype=env.torch.bfloat16, num_heads=NUM_HEADS, qk_head_dim=QK_HEAD_DIM,
-        v_head_dim=V_HEAD_DIM, kv_nope_head_dim=KV_NOPE_HEAD_DIM, requires_v_padding=False,
-        scale=QK_HEAD_DIM ** -0.5, num_splits=0, fa_version=4)
+        dtype=env.torch.bfloat16,
+        num_heads=NUM_HEADS,
+        qk_head_dim=QK_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        kv_nope_head_dim=KV_NOPE_HEAD_DIM,
+        requires_v_padding=False,
+        scale=QK_HEAD_DIM**-0.5,
+        num_splits=0,
+        fa_version=4,
+    )
     return list(env.warmup.iter_fa4_mla_prefill_compile_requests(ctx))
 
 
 def probe_name(request) -> str:
     s = request.compile_spec
-    return (f"q{s.max_seqlen_q}_k{s.max_seqlen_k}_{'causal' if s.causal else 'full'}"
-            f"{'_lse' if s.return_softmax_lse else ''}")
+    return (
+        f"q{s.max_seqlen_q}_k{s.max_seqlen_k}_{'causal' if s.causal else 'full'}"
+        f"{'_lse' if s.return_softmax_lse else ''}"
+    )
 
 
 def compile_warmup(env, which: str, phase: str) -> list[dict]:
@@ -239,8 +309,11 @@ def compile_warmup(env, which: str, phase: str) -> list[dict]:
     for request in warmup_requests(env):
         s = request.compile_spec
         context = not s.causal and s.return_softmax_lse
-        if (which == "all" or (which == "context" and context)
-                or (context and (s.max_seqlen_q, s.max_seqlen_k) == REPORT_PROBE)):
+        if (
+            which == "all"
+            or (which == "context" and context)
+            or (context and (s.max_seqlen_q, s.max_seqlen_k) == REPORT_PROBE)
+        ):
             chosen.append(request)
     records = []
     for request in chosen:
@@ -250,8 +323,15 @@ def compile_warmup(env, which: str, phase: str) -> list[dict]:
         request.compile()
         seconds = time.perf_counter() - start
         entries = forward_cache(env)
-        records.append({"phase": phase, "probe": probe_name(request), "seconds": round(seconds, 2),
-                        "new_kernels": len(entries) - before, "cache_entries": len(entries)})
+        records.append(
+            {
+                "phase": phase,
+                "probe": probe_name(request),
+                "seconds": round(seconds, 2),
+                "new_kernels": len(entries) - before,
+                "cache_entries": len(entries),
+            }
+        )
     return records
 
 
@@ -263,8 +343,8 @@ def compile_warmup(env, which: str, phase: str) -> list[dict]:
 class Plan:
     key: object
     hit: bool
-    split_out: tuple[int, ...] | None    # out_partial (splits, total_q, H, Dv), fp32
-    split_lse: tuple[int, ...] | None    # lse_partial (splits, H, total_q), fp32
+    split_out: tuple[int, ...] | None  # out_partial (splits, total_q, H, Dv), fp32
+    split_lse: tuple[int, ...] | None  # lse_partial (splits, H, total_q), fp32
     error: str | None = None
 
     @property
@@ -296,17 +376,28 @@ def plan(env, step: Step) -> Plan:
     with FakeTensorMode():
         q = torch.empty(step.total_q, NUM_HEADS, QK_HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(total_k, NUM_HEADS, QK_HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        kv_nope = torch.empty(total_k, NUM_HEADS, KV_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        v = kv_nope[..., KV_NOPE_HEAD_DIM - V_HEAD_DIM:]
+        kv_nope = torch.empty(
+            total_k, NUM_HEADS, KV_NOPE_HEAD_DIM, dtype=torch.bfloat16, device="cuda"
+        )
+        v = kv_nope[..., KV_NOPE_HEAD_DIM - V_HEAD_DIM :]
         cu_q = torch.empty(len(step.q_lens) + 1, dtype=torch.int32, device="cuda")
         cu_k = torch.empty(len(step.ctx_lens) + 1, dtype=torch.int32, device="cuda")
         with Allocations():
             try:
                 env.interface._flash_attn_fwd(
-                    q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                    max_seqlen_q=max(step.q_lens), max_seqlen_k=max(step.ctx_lens),
-                    softmax_scale=QK_HEAD_DIM ** -0.5, causal=False, num_splits=0,
-                    return_lse=True, compile_only=True)
+                    q,
+                    k,
+                    v,
+                    cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k,
+                    max_seqlen_q=max(step.q_lens),
+                    max_seqlen_k=max(step.ctx_lens),
+                    softmax_scale=QK_HEAD_DIM**-0.5,
+                    causal=False,
+                    num_splits=0,
+                    return_lse=True,
+                    compile_only=True,
+                )
             except Exception as exc:  # a cache miss tries to compile from fake torch tensors
                 error = f"{type(exc).__name__}: {exc}"[:300]
     entries = forward_cache(env)
@@ -340,7 +431,7 @@ def call_arguments(env, step: Step, p: Plan) -> list:
     q = torch.empty(step.total_q, NUM_HEADS, QK_HEAD_DIM, dtype=torch.bfloat16)
     k = torch.empty(total_k, NUM_HEADS, QK_HEAD_DIM, dtype=torch.bfloat16)
     kv_nope = torch.empty(total_k, NUM_HEADS, KV_NOPE_HEAD_DIM, dtype=torch.bfloat16)
-    v = kv_nope[..., KV_NOPE_HEAD_DIM - V_HEAD_DIM:]
+    v = kv_nope[..., KV_NOPE_HEAD_DIM - V_HEAD_DIM :]
     if p.split_out is not None:
         out = torch.empty(p.split_out, dtype=torch.float32)
         lse = torch.empty(p.split_lse, dtype=torch.float32)
@@ -353,8 +444,12 @@ def call_arguments(env, step: Step, p: Plan) -> list:
     # softmax_scale, cu_seqlens_q/k, then: seqused_q, seqused_k, dynamic_causal,
     # page_table, window left/right, learnable_sink, descale_tensors (SM100),
     # block-sparse tensors, aux_tensors, output_scale -- all None here.
-    return [*tensors, QK_HEAD_DIM ** -0.5, _dlpack_as_cuda(torch, cu_q),
-            _dlpack_as_cuda(torch, cu_k)] + [None] * 11
+    return [
+        *tensors,
+        QK_HEAD_DIM**-0.5,
+        _dlpack_as_cuda(torch, cu_q),
+        _dlpack_as_cuda(torch, cu_k),
+    ] + [None] * 11
 
 
 def classify(exc: BaseException | None) -> tuple[str, str]:
@@ -383,7 +478,7 @@ def in_child(work: Callable[[], dict], timeout: float = CALL_TIMEOUT_S) -> dict:
             payload = {"outcome": "harness-error", "error": f"{type(exc).__name__}: {exc}"}
         data = json.dumps(payload).encode()
         while data:
-            data = data[os.write(write_end, data):]
+            data = data[os.write(write_end, data) :]
         os._exit(0)
     os.close(write_end)
     chunks, deadline = [], time.monotonic() + timeout
@@ -435,9 +530,14 @@ def run_step(env, step: Step, phase: str) -> dict:
     start = time.perf_counter()
     p = plan(env, step)
     planned = time.perf_counter()
-    record = {"phase": phase, "step": step.label(), "total_q": step.total_q,
-              "num_splits": p.num_splits, "kernel_cached": p.hit,
-              "plan_s": round(planned - start, 3)}
+    record = {
+        "phase": phase,
+        "step": step.label(),
+        "total_q": step.total_q,
+        "num_splits": p.num_splits,
+        "kernel_cached": p.hit,
+        "plan_s": round(planned - start, 3),
+    }
     if not p.hit:
         record.update(outcome="kernel-not-warmed", error=p.error or "cache miss")
         return record
@@ -482,20 +582,29 @@ def versions() -> dict:
     return found
 
 
-def scenario(reproduce: bool = True, sweep: str = "default",
-             log: Callable[[str], None] = lambda line: None) -> dict:
+def scenario(
+    reproduce: bool = True, sweep: str = "default", log: Callable[[str], None] = lambda line: None
+) -> dict:
     """``reproduce``: compile the report's kernel unpatched and call it with
     total_q 129, 130 and 300.  Then apply the fix (through the plugin's
     ``run_fix``), recompile, and call 130 and 300 again.  ``sweep``:
     ``none``, ``default`` (both Split-KV context kernels) or ``full`` (the whole
     warm-up plan) -- plan and call every composition, counting new kernels."""
     env = prepare()
-    result: dict = {"versions": versions(), "planning_sms": "132 SMs",
-                    "compile_sms": B200_SMS, "compiles": [], "calls": [], "sweep": None}
+    result: dict = {
+        "versions": versions(),
+        "planning_sms": "132 SMs",
+        "compile_sms": B200_SMS,
+        "compiles": [],
+        "calls": [],
+        "sweep": None,
+    }
     if reproduce:
         result["compiles"] += compile_warmup(env, "report", "unpatched")
-        log(f"unpatched: compiled {result['compiles'][-1]['probe']} in "
-            f"{result['compiles'][-1]['seconds']} s")
+        log(
+            f"unpatched: compiled {result['compiles'][-1]['probe']} in "
+            f"{result['compiles'][-1]['seconds']} s"
+        )
         for q in (129, 130, 300):
             record = run_step(env, Step((q,), (CONTEXT_TOKENS,)), "unpatched")
             result["calls"].append(record)
@@ -513,24 +622,30 @@ def scenario(reproduce: bool = True, sweep: str = "default",
             result["calls"].append(record)
             log(f"fixed total_q={q}: {record['outcome']} {record.get('error', '')[:160]}")
     if sweep != "none":
-        result["compiles"] += compile_warmup(env, "context" if sweep == "default" else "all", "fixed")
+        result["compiles"] += compile_warmup(
+            env, "context" if sweep == "default" else "all", "fixed"
+        )
         steps = default_steps() if sweep == "default" else full_steps()
         before = len(forward_cache(env))
         start = time.perf_counter()
         records = [run_step(env, step, "sweep") for step in steps]
         after = len(forward_cache(env))
         result["sweep"] = {
-            "kind": sweep, "size": len(steps),
+            "kind": sweep,
+            "size": len(steps),
             "reached_launch": sum(r["outcome"] == "reached-launch" for r in records),
-            "cache_entries_before": before, "cache_entries_after": after,
+            "cache_entries_before": before,
+            "cache_entries_after": after,
             "new_kernels": after - before,
             "total_q_range": [min(s.total_q for s in steps), max(s.total_q for s in steps)],
             "num_splits_seen": sorted({r["num_splits"] for r in records}),
             "seconds": round(time.perf_counter() - start, 1),
             "failures": [r for r in records if r["outcome"] != "reached-launch"],
         }
-        log(f"sweep: {result['sweep']['reached_launch']}/{len(steps)} reached launch, "
-            f"new kernels {after - before}")
+        log(
+            f"sweep: {result['sweep']['reached_launch']}/{len(steps)} reached launch, "
+            f"new kernels {after - before}"
+        )
     return result
 
 
@@ -543,13 +658,18 @@ def gate(cpu_package: bool = True) -> dict:
     from vllm_mla_fixes.patching import CannotProbe, TargetMismatch, run_fix
 
     version = installed_vllm_version()
-    out: dict = {"vllm": version, "admitted": fix.INFO.admits(version or "0"),
-                 "bare_package": expose_fa4_package() if cpu_package else False}
+    out: dict = {
+        "vllm": version,
+        "admitted": fix.INFO.admits(version or "0"),
+        "bare_package": expose_fa4_package() if cpu_package else False,
+    }
     result = run_fix(fix, version)
     out["status"] = result.status.state.value
     out["status_reason"] = result.status.reason
     # what register() costs a process that never runs FA4 (API server, engine core)
-    out["register_imported"] = {name: name in sys.modules for name in ("cutlass", fix.INTERFACE_MODULE)}
+    out["register_imported"] = {
+        name: name in sys.modules for name in ("cutlass", fix.INTERFACE_MODULE)
+    }
 
     def functional() -> dict:
         try:
@@ -574,8 +694,11 @@ def gate(cpu_package: bool = True) -> dict:
         for name in sorted(sys.modules)
         if name.startswith("vllm.") and fix.TARGET in getattr(sys.modules[name], "__dict__", {})
     }
-    out["cache"] = {"type": type(cache).__name__, "entries": len(cache.cache),
-                    "path": str(getattr(cache, "cache_path", "")) or None}
+    out["cache"] = {
+        "type": type(cache).__name__,
+        "entries": len(cache.cache),
+        "path": str(getattr(cache, "cache_path", "")) or None,
+    }
     result.patch.revert()
     restored = interface._flash_attn_fwd.compile_cache
     out["reverted"] = {
@@ -596,8 +719,13 @@ def _child(args: list[str], timeout: float) -> tuple[dict | None, str]:
         out = os.path.join(tmp, "result.json")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         try:
-            proc = subprocess.run([sys.executable, "-W", "ignore", "-m", __name__, *args, "--json", out],
-                                  env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, "-W", "ignore", "-m", __name__, *args, "--json", out],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             return None, f"no result within {timeout:.0f} s"
         if not os.path.exists(out):
@@ -622,8 +750,10 @@ def verify(report) -> bool:
     if probe["needed"] is None:
         report(f"vLLM {gate_result['vllm']}: cannot check FA4 here: {probe['reason']}")
         return False
-    report("FA4 freezes compile-only strides here; compiling vLLM's FA4 warm-up kernels for an "
-           "SM100 target on CPU (8 heads, d_qk 192, d_v 128; ~15 s per kernel)")
+    report(
+        "FA4 freezes compile-only strides here; compiling vLLM's FA4 warm-up kernels for an "
+        "SM100 target on CPU (8 heads, d_qk 192, d_v 128; ~15 s per kernel)"
+    )
     result, why = _child(["--sweep", "default"], timeout=3600)
     if result is None:
         report(f"the CPU reproduction failed: {why}")
@@ -643,23 +773,30 @@ def summarize(result: dict, report) -> bool:
         report(f"upstream total_q={q}: {c.get('error') or c.get('outcome')}")
         reproduced &= c.get("error") == upstream_error(REPORT_STRIDE)
     warm_ok = calls.get(("unpatched", 129), {}).get("outcome") == "reached-launch"
-    report(f"upstream total_q=129 (the warm-up shape): {calls.get(('unpatched', 129), {}).get('outcome')}")
+    report(
+        f"upstream total_q=129 (the warm-up shape): {calls.get(('unpatched', 129), {}).get('outcome')}"
+    )
     if result.get("fix") != "applied":
         report(f"fix not applied: {result.get('fix')}")
         return False
     fixed = True
     for q in (130, 300):
         c = calls.get(("fixed", q), {})
-        detail = ("every argument check passed; the launch then fails for want of a GPU: "
-                  if c.get("outcome") == "reached-launch" else "")
+        detail = (
+            "every argument check passed; the launch then fails for want of a GPU: "
+            if c.get("outcome") == "reached-launch"
+            else ""
+        )
         report(f"fixed    total_q={q}: {c.get('outcome')} ({detail}{c.get('error', '')[:90]})")
         fixed &= c.get("outcome") == "reached-launch"
     sweep = result.get("sweep")
     if sweep:
-        report(f"sweep: {sweep['reached_launch']}/{sweep['size']} compositions pass the argument "
-               f"checks (total_q {sweep['total_q_range'][0]}-{sweep['total_q_range'][1]}, "
-               f"num_splits {sweep['num_splits_seen']}); compile cache {sweep['cache_entries_before']} "
-               f"-> {sweep['cache_entries_after']} entries")
+        report(
+            f"sweep: {sweep['reached_launch']}/{sweep['size']} compositions pass the argument "
+            f"checks (total_q {sweep['total_q_range'][0]}-{sweep['total_q_range'][1]}, "
+            f"num_splits {sweep['num_splits_seen']}); compile cache {sweep['cache_entries_before']} "
+            f"-> {sweep['cache_entries_after']} entries"
+        )
         fixed &= sweep["reached_launch"] == sweep["size"] and sweep["new_kernels"] == 0
     return reproduced and warm_ok and fixed
 
@@ -667,10 +804,14 @@ def summarize(result: dict, report) -> bool:
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", choices=("none", "default", "full"), default="default")
-    parser.add_argument("--no-reproduce", action="store_true",
-                        help="skip the unpatched compile and calls")
-    parser.add_argument("--gate", action="store_true",
-                        help="only evaluate the fix's gate, apply and revert it (no compiling)")
+    parser.add_argument(
+        "--no-reproduce", action="store_true", help="skip the unpatched compile and calls"
+    )
+    parser.add_argument(
+        "--gate",
+        action="store_true",
+        help="only evaluate the fix's gate, apply and revert it (no compiling)",
+    )
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -682,8 +823,9 @@ def main(argv: Iterable[str] | None = None) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(text)
         return 0
-    result = scenario(reproduce=not args.no_reproduce, sweep=args.sweep,
-                      log=lambda line: print(line, flush=True))
+    result = scenario(
+        reproduce=not args.no_reproduce, sweep=args.sweep, log=lambda line: print(line, flush=True)
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1, default=str)

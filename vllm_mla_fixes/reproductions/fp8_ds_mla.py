@@ -20,7 +20,9 @@ from types import MethodType, SimpleNamespace
 
 import torch
 
-TINY_GLM_DSA = Path(__file__).resolve().parent.parent / "models" / "tiny_glm_moe_dsa" / "config.json"
+TINY_GLM_DSA = (
+    Path(__file__).resolve().parent.parent / "models" / "tiny_glm_moe_dsa" / "config.json"
+)
 BLOCK_SIZE = 64
 MAX_NUM_SEQS = 16
 CPU = torch.device("cpu")
@@ -37,18 +39,32 @@ def cudagraph_min_blocks(max_num_seqs: int = MAX_NUM_SEQS) -> int:
     return min(2 * max_num_seqs, 512)
 
 
-def make_vllm_config(model: dict, block_size: int = BLOCK_SIZE, max_model_len: int = 4096,
-                     num_gpu_blocks_override: int | None = None) -> SimpleNamespace:
+def make_vllm_config(
+    model: dict,
+    block_size: int = BLOCK_SIZE,
+    max_model_len: int = 4096,
+    num_gpu_blocks_override: int | None = None,
+) -> SimpleNamespace:
     return SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="fp8_ds_mla",
-                                     num_gpu_blocks_override=num_gpu_blocks_override,
-                                     num_gpu_blocks=None),
-        model_config=SimpleNamespace(max_model_len=max_model_len, original_max_model_len=max_model_len,
-                                     dtype=torch.bfloat16, hf_config=SimpleNamespace(**model)),
+        cache_config=SimpleNamespace(
+            block_size=block_size,
+            cache_dtype="fp8_ds_mla",
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            num_gpu_blocks=None,
+        ),
+        model_config=SimpleNamespace(
+            max_model_len=max_model_len,
+            original_max_model_len=max_model_len,
+            dtype=torch.bfloat16,
+            hf_config=SimpleNamespace(**model),
+        ),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1,
-                                        pipeline_parallel_size=1, tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+            pipeline_parallel_size=1,
+            tensor_parallel_size=1,
+        ),
         speculative_config=None,
         kv_transfer_config=None,
     )
@@ -69,11 +85,17 @@ def layer_specs(model: dict, vllm_config) -> dict:
     specs = {}
     for i in range(model["num_hidden_layers"]):
         attn = SimpleNamespace(kv_cache_dtype="fp8_ds_mla", head_size=mla_head)
-        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttention.get_kv_cache_spec(attn, vllm_config)
-        indexer = SimpleNamespace(cache_config=vllm_config.cache_config, head_dim=index_head,
-                                  dtype=kv_cache_dtype_str_to_dtype("fp8_ds_mla", None))
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttention.get_kv_cache_spec(
+            attn, vllm_config
+        )
+        indexer = SimpleNamespace(
+            cache_config=vllm_config.cache_config,
+            head_dim=index_head,
+            dtype=kv_cache_dtype_str_to_dtype("fp8_ds_mla", None),
+        )
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = (
-            DeepseekV32IndexerCache.get_kv_cache_spec(indexer, vllm_config))
+            DeepseekV32IndexerCache.get_kv_cache_spec(indexer, vllm_config)
+        )
     return specs
 
 
@@ -107,15 +129,25 @@ def _attention_groups(kv_cache_config):
 
     groups = []
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-        per_layer = (group.kv_cache_spec.kv_cache_specs
-                     if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
-                     else dict.fromkeys(group.layer_names, group.kv_cache_spec))
+        per_layer = (
+            group.kv_cache_spec.kv_cache_specs
+            if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+            else dict.fromkeys(group.layer_names, group.kv_cache_spec)
+        )
         by_backend: dict = {}
         for name in group.layer_names:
-            backend = DeepseekV32IndexerBackend if name.endswith("indexer.k_cache") else FlashMLASparseBackend
+            backend = (
+                DeepseekV32IndexerBackend
+                if name.endswith("indexer.k_cache")
+                else FlashMLASparseBackend
+            )
             by_backend.setdefault(backend, []).append(name)
-        groups.append([AttentionGroup(backend, names, per_layer[names[0]], group_id)
-                       for backend, names in by_backend.items()])
+        groups.append(
+            [
+                AttentionGroup(backend, names, per_layer[names[0]], group_id)
+                for backend, names in by_backend.items()
+            ]
+        )
     return groups
 
 
@@ -124,12 +156,19 @@ def views_v1_runner(kv_cache_config) -> dict[str, torch.Tensor]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     runner = SimpleNamespace(
-        kv_cache_config=kv_cache_config, attn_groups=_attention_groups(kv_cache_config),
-        runner_only_attn_layers=set(), device=CPU,
-        cache_config=SimpleNamespace(cache_dtype="fp8_ds_mla"))
-    for name in ("_allocate_kv_cache_tensors", "_reshape_kv_cache_tensors",
-                 "_kv_cache_spec_attn_group_iterator", "_attn_group_iterator",
-                 "_has_mixed_attention_kv_layout"):
+        kv_cache_config=kv_cache_config,
+        attn_groups=_attention_groups(kv_cache_config),
+        runner_only_attn_layers=set(),
+        device=CPU,
+        cache_config=SimpleNamespace(cache_dtype="fp8_ds_mla"),
+    )
+    for name in (
+        "_allocate_kv_cache_tensors",
+        "_reshape_kv_cache_tensors",
+        "_kv_cache_spec_attn_group_iterator",
+        "_attn_group_iterator",
+        "_has_mixed_attention_kv_layout",
+    ):
         if hasattr(GPUModelRunner, name):
             setattr(runner, name, MethodType(getattr(GPUModelRunner, name), runner))
     raw = runner._allocate_kv_cache_tensors(kv_cache_config)
@@ -144,8 +183,9 @@ def views_model_runner_v2(kv_cache_config) -> dict[str, torch.Tensor]:
     raw = attn_utils._allocate_kv_cache(kv_cache_config, {}, CPU)
     groups = [g for per_group in _attention_groups(kv_cache_config) for g in per_group]
     kernel_block_sizes = [BLOCK_SIZE] * len(kv_cache_config.kv_cache_groups)
-    return attn_utils._reshape_kv_cache(groups, raw, "fp8_ds_mla", kernel_block_sizes, {},
-                                        kv_cache_config)
+    return attn_utils._reshape_kv_cache(
+        groups, raw, "fp8_ds_mla", kernel_block_sizes, {}, kv_cache_config
+    )
 
 
 @dataclass
@@ -160,8 +200,7 @@ class Outcome:
         return self.error is None
 
 
-def run(path: str, model: dict | None = None, num_blocks: int = 96,
-        runner: str = "v1") -> Outcome:
+def run(path: str, model: dict | None = None, num_blocks: int = 96, runner: str = "v1") -> Outcome:
     """Start-up KV-cache initialisation along ``path`` ("profiling" or "engine")."""
     model = model or load_config()
     if path == "profiling":
@@ -194,14 +233,19 @@ def verify(report) -> bool:
     from vllm_mla_fixes.patching import State, run_fix
 
     model = load_config()
-    report(f"model: {TINY_GLM_DSA.parent.name} ({model['architectures'][0]}, "
-           f"{model['num_hidden_layers']} layers), --kv-cache-dtype fp8 -> fp8_ds_mla, "
-           f"--block-size {BLOCK_SIZE}, --max-num-seqs {MAX_NUM_SEQS}")
+    report(
+        f"model: {TINY_GLM_DSA.parent.name} ({model['architectures'][0]}, "
+        f"{model['num_hidden_layers']} layers), --kv-cache-dtype fp8 -> fp8_ds_mla, "
+        f"--block-size {BLOCK_SIZE}, --max-num-seqs {MAX_NUM_SEQS}"
+    )
     reproduced = True
     for path in ("profiling", "engine"):
         outcome = run(path, model)
-        what = ("CUDA-graph profiling" if path == "profiling"
-                else "KV-cache init (also with --enforce-eager)")
+        what = (
+            "CUDA-graph profiling"
+            if path == "profiling"
+            else "KV-cache init (also with --enforce-eager)"
+        )
         report(f"upstream  {what}, {outcome.num_blocks} blocks: {outcome.error or 'no error'}")
         reproduced &= outcome.error is not None and UPSTREAM_ERRORS[path] in outcome.error
     result = run_fix(fp8_ds_mla_reshape, installed_vllm_version())
@@ -216,11 +260,15 @@ def verify(report) -> bool:
                 report(f"fixed     {path}: still fails: {outcome.error}")
                 fixed = False
                 continue
-            summary = ", ".join(sorted({f"{name.split('.')[-1]} {shape}"
-                                        for name, shape in outcome.shapes.items()}))
+            summary = ", ".join(
+                sorted({f"{name.split('.')[-1]} {shape}" for name, shape in outcome.shapes.items()})
+            )
             report(f"fixed     {path}, {outcome.num_blocks} blocks: {summary}")
-            fixed &= all(bytes_per_token(shape) == 656 for name, shape in outcome.shapes.items()
-                         if name.endswith(".attn"))
+            fixed &= all(
+                bytes_per_token(shape) == 656
+                for name, shape in outcome.shapes.items()
+                if name.endswith(".attn")
+            )
     finally:
         result.patch.revert()
     if not reproduced:

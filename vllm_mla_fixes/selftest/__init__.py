@@ -49,9 +49,11 @@ def _preflight(device) -> str | None:
         return "vLLM is not installed in this environment"
     decided = release_decision(fix.INFO, version)
     if decided is not None:
-        return (f"{fix.INFO.name} is {decided.state.value} on vLLM {version}: {decided.reason}. "
-                f"The self-test proves that fix's geometry, which covers vLLM "
-                f"{', '.join(fix.INFO.affected_releases)}")
+        return (
+            f"{fix.INFO.name} is {decided.state.value} on vLLM {version}: {decided.reason}. "
+            f"The self-test proves that fix's geometry, which covers vLLM "
+            f"{', '.join(fix.INFO.affected_releases)}"
+        )
     if device.kind == "cpu":
         from .env import interpreter_problem
 
@@ -79,8 +81,9 @@ def _init_cpu_worker() -> None:
     prepare_process_env()
 
 
-def run_selftest(geometries: tuple[str, ...] | None = None, jobs: int | None = None,
-                 timing: bool = True) -> "Report":
+def run_selftest(
+    geometries: tuple[str, ...] | None = None, jobs: int | None = None, timing: bool = True
+) -> Report:
     """Run the self-test on the local device; never raises for what it finds."""
     geometries = geometries or DEFAULT_GEOMETRIES
     import vllm
@@ -99,13 +102,16 @@ def run_selftest(geometries: tuple[str, ...] | None = None, jobs: int | None = N
         # vLLM lays out upstream's caches for the device it runs on; upstream's
         # SM12x layout needs an SM12x GPU (or the CPU's SM120 stand-in platform).
         geometries = tuple(g for g in geometries if g != "upstream")
-        report.notes.append("upstream's SM12x layout is not run on this GPU: vLLM lays out "
-                            "upstream's caches for the device it runs on")
+        report.notes.append(
+            "upstream's SM12x layout is not run on this GPU: vLLM lays out "
+            "upstream's caches for the device it runs on"
+        )
     jobs = jobs or (min(len(geometries), os.cpu_count() or 1) if device.kind == "cpu" else 1)
     if jobs > 1:
         context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
-                                                    initializer=_init_cpu_worker) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=_init_cpu_worker
+        ) as pool:
             report.results = list(pool.map(_run_one, geometries, [device] * len(geometries)))
     else:
         from .harness import run_geometry
@@ -131,7 +137,9 @@ def verify(report) -> bool:
         return False
     for geometry in result.results:
         failed = geometry.failed_cases()
-        report(f"correctness ({result.device.label}), {geometry.title}: "
-               f"{geometry_verdict(geometry)}; serving cases failed: {', '.join(failed) or 'none'}; "
-               f"foreign bytes {geometry.foreign_bytes}, stray bytes {geometry.stray_bytes}")
+        report(
+            f"correctness ({result.device.label}), {geometry.title}: "
+            f"{geometry_verdict(geometry)}; serving cases failed: {', '.join(failed) or 'none'}; "
+            f"foreign bytes {geometry.foreign_bytes}, stray bytes {geometry.stray_bytes}"
+        )
     return result.exit_status == EXIT_OK

@@ -42,8 +42,7 @@ def interpreter_problem() -> str | None:
     for name, value in REQUIRED_ENV.items():
         if os.environ.get(name) != value:
             return (
-                f"{name} must be {value!r} before vLLM is imported "
-                f"(it is {os.environ.get(name)!r})"
+                f"{name} must be {value!r} before vLLM is imported (it is {os.environ.get(name)!r})"
             )
     from vllm.models.deepseek_v41.common.ops import fused_compress_quant_cache as m
     from vllm.triton_utils import HAS_TRITON

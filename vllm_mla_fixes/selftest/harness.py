@@ -48,6 +48,7 @@ REAL_ATTENTION = 0.05  # FlashInfer's SM120 kernel also rounds Q and P through f
 
 # ------------------------------------------------------------------ results
 
+
 @dataclass
 class Tally:
     """What one kernel (or one case) saw over the run."""
@@ -105,12 +106,18 @@ class GeometryResult:
     @property
     def clean(self) -> bool:
         """Every read matched, every byte accounted for."""
-        return (self.aborted is None and not any(t.problems for t in self.kernels.values())
-                and not self.failed_cases() and self.stray_bytes == 0
-                and not self.tiling_problems and self.slot_mismatches == 0)
+        return (
+            self.aborted is None
+            and not any(t.problems for t in self.kernels.values())
+            and not self.failed_cases()
+            and self.stray_bytes == 0
+            and not self.tiling_problems
+            and self.slot_mismatches == 0
+        )
 
 
 # ------------------------------------------------------------------ inputs
+
 
 class Inputs:
     """Random latents per prompt and position; a prompt that repeats another's
@@ -131,24 +138,29 @@ class Inputs:
         self.k_pre: dict[str, dict[int, torch.Tensor]] = {}
         rows = model.max_model_len
         for name, (_, shares, shared) in PROMPTS.items():
-            self.swa[name] = {l: self.randn(rows, 512) for l in layers}
+            self.swa[name] = {layer: self.randn(rows, 512) for layer in layers}
             self.latent[name] = {s: self.randn(rows, 512) for s in model.kv_sources}
             self.k_pre[name] = {s: self.randn(rows, 128) for s in model.kv_sources}
             if shares is not None:
                 for table in (self.swa, self.latent, self.k_pre):
                     for key, value in table[name].items():
                         value[:shared] = table[shares][key][:shared]
-        self.norm_weight = {s: (torch.rand(128, generator=self.gen) + 0.5).to(torch.bfloat16)
-                            for s in model.kv_sources}
+        self.norm_weight = {
+            s: (torch.rand(128, generator=self.gen) + 0.5).to(torch.bfloat16)
+            for s in model.kv_sources
+        }
 
     def randn(self, *shape, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=self.gen) * scale).to(torch.bfloat16)
 
-    def rows(self, table: dict[str, dict[int, torch.Tensor]], key: int, batch: Batch,
-             padded: int) -> torch.Tensor:
+    def rows(
+        self, table: dict[str, dict[int, torch.Tensor]], key: int, batch: Batch, padded: int
+    ) -> torch.Tensor:
         """The batch's rows of one latent table, graph-padding rows random."""
-        parts = [table[name][key][start: start + count]
-                 for name, start, count in zip(batch.names, batch.starts, batch.counts)]
+        parts = [
+            table[name][key][start : start + count]
+            for name, start, count in zip(batch.names, batch.starts, batch.counts)
+        ]
         out = torch.cat(parts)
         if padded > out.shape[0]:
             out = torch.cat([out, self.randn(padded - out.shape[0], out.shape[1])])
@@ -156,6 +168,7 @@ class Inputs:
 
 
 # ---------------------------------------------------------------------- run
+
 
 class Run:
     def __init__(self, layout: Layout, kernels: kn.Kernels, result: GeometryResult, seed: int):
@@ -220,8 +233,9 @@ class Run:
         for case in plan.cases:
             self.result.case(case).note(error)
         if not error <= self.tolerance(kernel):
-            self.problem(plan, kernel, f"{kernel} off by {error:.3g} (tolerance "
-                                       f"{self.tolerance(kernel):g})")
+            self.problem(
+                plan, kernel, f"{kernel} off by {error:.3g} (tolerance {self.tolerance(kernel):g})"
+            )
 
     def tolerance(self, kernel: str) -> float:
         if self.kernels.is_real(kernel) and kernel in (kn.ATTENTION_DECODE, kn.ATTENTION_PREFILL):
@@ -271,8 +285,10 @@ class Run:
         if "prefix-hit" not in batch.plan.cases:
             return None
         cacheable = set(self.worker.cacheable)
-        held_by_others = {name: set(b for ids in self.scheduler.block_ids(name) for b in ids)
-                          for name in self.scheduler.requests}
+        held_by_others = {
+            name: set(b for ids in self.scheduler.block_ids(name) for b in ids)
+            for name in self.scheduler.requests
+        }
         pages: dict[str, list[int]] = {}
         for name, replay in zip(batch.names, batch.replay_start, strict=True):
             if not replay:
@@ -281,8 +297,14 @@ class Run:
                 if cache.group_id not in cacheable:
                     continue
                 ids = block_ids[name][cache.group_id]
-                shared = [b for b in ids if b and any(b in blocks for other, blocks
-                                                       in held_by_others.items() if other != name)]
+                shared = [
+                    b
+                    for b in ids
+                    if b
+                    and any(
+                        b in blocks for other, blocks in held_by_others.items() if other != name
+                    )
+                ]
                 pages.setdefault(cache.name, []).extend(shared)
         if not any(pages.values()):
             self.problem(batch.plan, None, "the prefix hit shares no block: the case did not run")
@@ -296,8 +318,9 @@ class Run:
         ids = [b for name in names for b in block_ids[name][cache.group_id]]
         return self.layout.mask_of({cache.name: ids})
 
-    def attributed(self, plan: StepPlan, kernel: str, cache: CacheLayer, names, block_ids,
-                   write) -> None:
+    def attributed(
+        self, plan: StepPlan, kernel: str, cache: CacheLayer, names, block_ids, write
+    ) -> None:
         storage = self.layout.storage
         before = storage.clone()
         tally = self.result.kernel(kernel)
@@ -327,32 +350,65 @@ class Run:
                 # Layers past the cut run, and write their window KV, on the kept rows only.
                 swa_md = replay.metadata[cache.name]
                 rows, slots, pos = rows[replay.rows], swa_md.slot_mapping, replay.positions
-            self.write_checked(plan, kn.SWA_WRITER, cache, batch.names, block_ids, slots,
-                               swa_md.block_size, ref.RECORD_BYTES,
-                               lambda c=cache, r=rows, p=pos, s=slots, b=swa_md.block_size:
-                               self.kernels.write_swa(c.module.kv_cache, r, p, inputs.cos_sin_dev,
-                                                      s, b))
+            self.write_checked(
+                plan,
+                kn.SWA_WRITER,
+                cache,
+                batch.names,
+                block_ids,
+                slots,
+                swa_md.block_size,
+                ref.RECORD_BYTES,
+                lambda c=cache, r=rows, p=pos, s=slots, b=swa_md.block_size: self.kernels.write_swa(
+                    c.module.kv_cache, r, p, inputs.cos_sin_dev, s, b
+                ),
+            )
         for cache in self.layout.by_kind("compressed"):
             slots = md[cache.name].slot_mapping
             self.check_ratio1_slots(cache, batch, slots)
             latent = inputs.rows(inputs.latent, cache.layer, batch, padded)
-            self.write_checked(plan, kn.COMPRESSED_WRITER, cache, batch.names, block_ids, slots,
-                               None, ref.RECORD_BYTES,
-                               lambda c=cache, s=slots, x=latent: self.kernels.write_compressed(
-                                   c.module.kv_cache, x, positions, inputs.cos_sin_dev, s, c.ratio))
+            self.write_checked(
+                plan,
+                kn.COMPRESSED_WRITER,
+                cache,
+                batch.names,
+                block_ids,
+                slots,
+                None,
+                ref.RECORD_BYTES,
+                lambda c=cache, s=slots, x=latent: self.kernels.write_compressed(
+                    c.module.kv_cache, x, positions, inputs.cos_sin_dev, s, c.ratio
+                ),
+            )
         for cache in self.layout.by_kind("indexer"):
             slots = md[cache.name].slot_mapping
             self.check_ratio1_slots(cache, batch, slots)
             k_pre = inputs.rows(inputs.k_pre, cache.layer, batch, padded)
             weight = inputs.norm_weight[cache.layer].to(self.layout.device)
-            self.write_checked(plan, kn.INDEXER_WRITER, cache, batch.names, block_ids, slots,
-                               None, ref.INDEX_RECORD,
-                               lambda c=cache, s=slots, k=k_pre, w=weight: self.kernels.write_indexer(
-                                   c.module.kv_cache, k, positions, inputs.cos_sin_dev, w,
-                                   model.rms_norm_eps, s, c.ratio))
+            self.write_checked(
+                plan,
+                kn.INDEXER_WRITER,
+                cache,
+                batch.names,
+                block_ids,
+                slots,
+                None,
+                ref.INDEX_RECORD,
+                lambda c=cache, s=slots, k=k_pre, w=weight: self.kernels.write_indexer(
+                    c.module.kv_cache,
+                    k,
+                    positions,
+                    inputs.cos_sin_dev,
+                    w,
+                    model.rms_norm_eps,
+                    s,
+                    c.ratio,
+                ),
+            )
 
-    def write_checked(self, plan, kernel, cache, names, block_ids, slots, block_size, record,
-                      write) -> None:
+    def write_checked(
+        self, plan, kernel, cache, names, block_ids, slots, block_size, record, write
+    ) -> None:
         """The Triton interpreter has no memory protection: refuse a write that
         would end outside the allocation instead of corrupting the process."""
         view = cache.module.kv_cache
@@ -361,8 +417,12 @@ class Run:
         if valid.numel():
             end = view.storage_offset() + (valid // rows) * view.stride(0) + rows * record
             if int(end.max()) > self.layout.storage.numel():
-                self.problem(plan, kernel, f"{cache.name}: slot {int(valid[end.argmax()])} "
-                                           "lies outside the KV allocation; write refused")
+                self.problem(
+                    plan,
+                    kernel,
+                    f"{cache.name}: slot {int(valid[end.argmax()])} "
+                    "lies outside the KV allocation; write refused",
+                )
                 return
         self.attributed(plan, kernel, cache, names, block_ids, write)
 
@@ -378,8 +438,9 @@ class Run:
         ktable = group.map_to_kernel_block_table(table.clone()).to(torch.int64).cpu()
         got = slots[: batch.num_tokens].to(torch.int64).cpu()
         want = []
-        for r, (start, count, replay) in enumerate(zip(batch.starts, batch.counts,
-                                                      batch.replay_start)):
+        for r, (start, count, replay) in enumerate(
+            zip(batch.starts, batch.counts, batch.replay_start)
+        ):
             pos = torch.arange(start, start + count)
             slot = ktable[r, pos // k] * k + pos % k
             if replay:
@@ -393,9 +454,13 @@ class Run:
         model = self.model
         for layer in range(len(model.compress_ratios)):
             if batch.replay is not None and layer >= model.cut:
-                self.read_attention(batch, layer, batch.replay.metadata, batch.replay,
-                                    batch.replay.kv_start if layer > model.cut
-                                    else batch.replay_start)
+                self.read_attention(
+                    batch,
+                    layer,
+                    batch.replay.metadata,
+                    batch.replay,
+                    batch.replay.kv_start if layer > model.cut else batch.replay_start,
+                )
             else:
                 self.read_attention(batch, layer, batch.metadata, None, batch.replay_start)
         for cache in self.layout.by_kind("indexer"):
@@ -436,8 +501,11 @@ class Run:
         rows = swa_md.num_decode_tokens + swa_md.num_prefill_tokens
         source = model.source_of(layer)
         comp_md = md.get(f"model.layers.{source}.self_attn") if source is not None else None
-        comp_cache = self.layout.caches[f"model.layers.{source}.self_attn"].module.kv_cache \
-            if source is not None else None
+        comp_cache = (
+            self.layout.caches[f"model.layers.{source}.self_attn"].module.kv_cache
+            if source is not None
+            else None
+        )
         chosen = self.fill_topk(reader, ratio, spans) if ratio else {}
         q = inputs.randn(rows, model.q_heads, 512).to(self.layout.device)
         # FlashInfer writes bf16; the stand-in writes fp32, so its read compares exactly.
@@ -446,13 +514,33 @@ class Run:
         nd = swa_md.num_decode_tokens
         calls = []
         if swa_md.num_prefills > 0:
-            calls.append((kn.ATTENTION_PREFILL, lambda: reader._forward_prefill(
-                q=q[nd:], compressed_k_cache=comp_cache, swa_k_cache=swa_cache.module.kv_cache,
-                output=out[nd:], attn_metadata=comp_md, swa_metadata=swa_md)))
+            calls.append(
+                (
+                    kn.ATTENTION_PREFILL,
+                    lambda: reader._forward_prefill(
+                        q=q[nd:],
+                        compressed_k_cache=comp_cache,
+                        swa_k_cache=swa_cache.module.kv_cache,
+                        output=out[nd:],
+                        attn_metadata=comp_md,
+                        swa_metadata=swa_md,
+                    ),
+                )
+            )
         if swa_md.num_decodes > 0:
-            calls.append((kn.ATTENTION_DECODE, lambda: reader._forward_decode(
-                q=q[:nd], kv_cache=comp_cache, swa_metadata=swa_md, attn_metadata=comp_md,
-                swa_only=ratio == 0, output=out[:nd])))
+            calls.append(
+                (
+                    kn.ATTENTION_DECODE,
+                    lambda: reader._forward_decode(
+                        q=q[:nd],
+                        kv_cache=comp_cache,
+                        swa_metadata=swa_md,
+                        attn_metadata=comp_md,
+                        swa_only=ratio == 0,
+                        output=out[:nd],
+                    ),
+                )
+            )
         for kernel, call in calls:
             try:
                 call()
@@ -466,11 +554,12 @@ class Run:
             for row in range(first, end):
                 pos = pos0 + row - first
                 lo = max(0, pos - model.sliding_window + 1, lower[r])
-                kv = [self.dense_swa(name, layer)[lo: pos + 1]]
+                kv = [self.dense_swa(name, layer)[lo : pos + 1]]
                 if ratio:
                     kv.append(self.dense_compressed(name, source, ratio)[chosen[row]])
-                dense = ref.sink_softmax_attention(q_cpu[row], torch.cat(kv),
-                                                   reader.attn_sink.cpu(), reader.scale)
+                dense = ref.sink_softmax_attention(
+                    q_cpu[row], torch.cat(kv), reader.attn_sink.cpu(), reader.scale
+                )
                 kernel = kn.ATTENTION_DECODE if row < nd else kn.ATTENTION_PREFILL
                 self.note(plan, kernel, self.error(kernel, got[row], dense))
 
@@ -480,8 +569,9 @@ class Run:
         key = ("swa", name, layer)
         if key not in self.dense:
             inputs = self.inputs
-            rows = ref.rope_swa_rows(inputs.swa[name][layer], inputs.cos_sin,
-                                     ref.Rounding("round-to-nearest-even"))
+            rows = ref.rope_swa_rows(
+                inputs.swa[name][layer], inputs.cos_sin, ref.Rounding("round-to-nearest-even")
+            )
             self.dense[key] = ref.dense_swa_rows(rows, self.rounding)
         return self.dense[key]
 
@@ -493,8 +583,9 @@ class Run:
             states = torch.arange(self.model.max_model_len // ratio)
             latent = self.inputs.latent[name][source][states * ratio + ratio - 1]
             angles = self.inputs.cos_sin[states * ratio]
-            self.dense[key] = ref.dense_compressed_rows(latent, angles[:, :32], angles[:, 32:],
-                                                        self.rounding)
+            self.dense[key] = ref.dense_compressed_rows(
+                latent, angles[:, :32], angles[:, 32:], self.rounding
+            )
         return self.dense[key]
 
     def error(self, kernel: str, got: torch.Tensor, want: torch.Tensor) -> float:
@@ -515,8 +606,12 @@ class Run:
         angles = self.inputs.cos_sin[states * ratio]
         return ref.dense_index_keys(
             self.inputs.k_pre[name][layer][states * ratio + ratio - 1],
-            self.inputs.norm_weight[layer], self.model.rms_norm_eps, angles[:, :32],
-            angles[:, 32:], self.rounding)
+            self.inputs.norm_weight[layer],
+            self.model.rms_norm_eps,
+            angles[:, :32],
+            angles[:, 32:],
+            self.rounding,
+        )
 
     def read_indexer(self, batch: Batch, cache: CacheLayer, md, replay) -> None:
         plan, model = batch.plan, self.model
@@ -533,10 +628,19 @@ class Run:
             max_len = model.max_model_len // cache.ratio
             try:
                 # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
-                logits = self.kernels.paged_logits(
-                    q_fp8.to(device), view.unsqueeze(-2), weights.to(device),
-                    decode.seq_lens, decode.block_table, decode.schedule_metadata,
-                    max_len).float().cpu()
+                logits = (
+                    self.kernels.paged_logits(
+                        q_fp8.to(device),
+                        view.unsqueeze(-2),
+                        weights.to(device),
+                        decode.seq_lens,
+                        decode.block_table,
+                        decode.schedule_metadata,
+                        max_len,
+                    )
+                    .float()
+                    .cpu()
+                )
             except Exception as exc:
                 self.problem(plan, kn.INDEXER_LOGITS, f"{cache.name}: {type(exc).__name__}: {exc}")
                 logits = None
@@ -548,8 +652,9 @@ class Run:
                     continue
                 keys = self.dense_index_keys(batch.names[r], cache.layer, cache.ratio, count)
                 dense = ref.index_logits(q_fp8[b, 0], weights[b], keys)
-                self.note(plan, kn.INDEXER_LOGITS,
-                          self.error(kn.INDEXER_LOGITS, logits[b, :count], dense))
+                self.note(
+                    plan, kn.INDEXER_LOGITS, self.error(kn.INDEXER_LOGITS, logits[b, :count], dense)
+                )
                 self.compare_topk(plan, logits[b, :count], dense)
         if imd.prefill is None:
             return
@@ -560,8 +665,9 @@ class Run:
             dst_k = torch.zeros(total, 128, dtype=torch.float8_e4m3fn, device=device)
             dst_scale = torch.zeros(total, 4, dtype=torch.uint8, device=device)
             try:
-                self.kernels.gather_k(view, dst_k, dst_scale, chunk.block_table,
-                                      chunk.local_cu_seq_lens)
+                self.kernels.gather_k(
+                    view, dst_k, dst_scale, chunk.block_table, chunk.local_cu_seq_lens
+                )
             except Exception as exc:
                 self.problem(plan, kn.INDEXER_GATHER, f"{cache.name}: {type(exc).__name__}: {exc}")
                 continue
@@ -569,10 +675,14 @@ class Run:
             cu = chunk.local_cu_seq_lens.tolist()
             members = [s for s in spans if s[1] < chunk.token_end and s[2] > chunk.token_start]
             for b, (r, *_rest) in enumerate(members[: len(cu) - 1]):
-                want = self.dense_index_keys(batch.names[r], cache.layer, cache.ratio,
-                                             cu[b + 1] - cu[b])
-                self.note(plan, kn.INDEXER_GATHER,
-                          self.error(kn.INDEXER_GATHER, got[cu[b]: cu[b + 1]], want))
+                want = self.dense_index_keys(
+                    batch.names[r], cache.layer, cache.ratio, cu[b + 1] - cu[b]
+                )
+                self.note(
+                    plan,
+                    kn.INDEXER_GATHER,
+                    self.error(kn.INDEXER_GATHER, got[cu[b] : cu[b + 1]], want),
+                )
 
     def compare_topk(self, plan: StepPlan, got: torch.Tensor, want: torch.Tensor) -> None:
         """The kernel's top-k must be a top-k of the dense scores (ties and the
@@ -583,7 +693,9 @@ class Run:
         slack = self.tolerance(kn.INDEXER_LOGITS) * float(want.abs().max())
         wrong = int((want[picked] < floor - slack).sum())
         if wrong:
-            self.problem(plan, kn.INDEXER_LOGITS, f"top-{k}: {wrong} indices outside the dense top-{k}")
+            self.problem(
+                plan, kn.INDEXER_LOGITS, f"top-{k}: {wrong} indices outside the dense top-{k}"
+            )
 
     # ---------------------------------------------------------- the end
 
@@ -603,17 +715,22 @@ def tiling_problems(layout: Layout) -> list[str]:
         for block in range(1, layout.kv_cache_config.num_blocks):
             pages = sorted(r for c in caches for r in layout.own_bytes(c, [block]))
             manager = sorted(
-                (c.manager_view.element_size() * (c.manager_view.storage_offset()
-                                                  + block * c.manager_view.stride(0)),
-                 c.manager_view.element_size() * (c.manager_view.storage_offset()
-                                                  + block * c.manager_view.stride(0))
-                 + c.spec.page_size_bytes)
-                for c in caches)
+                (
+                    c.manager_view.element_size()
+                    * (c.manager_view.storage_offset() + block * c.manager_view.stride(0)),
+                    c.manager_view.element_size()
+                    * (c.manager_view.storage_offset() + block * c.manager_view.stride(0))
+                    + c.spec.page_size_bytes,
+                )
+                for c in caches
+            )
             if any(a[1] > b[0] for a, b in zip(pages, pages[1:])):
                 problems.append(f"group {gid} block {block}: pages overlap")
             if _merged(pages) != _merged(manager):
-                problems.append(f"group {gid} block {block}: pages {_merged(pages)} do not "
-                                f"tile the manager pages {_merged(manager)}")
+                problems.append(
+                    f"group {gid} block {block}: pages {_merged(pages)} do not "
+                    f"tile the manager pages {_merged(manager)}"
+                )
     return problems
 
 
@@ -644,9 +761,14 @@ def _fix_for(geometry, device: kn.Device):
             yield applied
 
 
-def run_geometry(name: str, device: kn.Device, kernels: kn.Kernels | None = None,
-                 model: TinyModel | None = None, seed: int = 0,
-                 plans: tuple[StepPlan, ...] = TIMELINE) -> GeometryResult:
+def run_geometry(
+    name: str,
+    device: kn.Device,
+    kernels: kn.Kernels | None = None,
+    model: TinyModel | None = None,
+    seed: int = 0,
+    plans: tuple[StepPlan, ...] = TIMELINE,
+) -> GeometryResult:
     """Replay the timeline (or its first ``plans``) on one geometry; never
     raises for what it finds."""
     geometry = GEOMETRIES[name]

@@ -93,36 +93,57 @@ class Kernels:
         if device.kind == "cpu":
             interpreted = "real (Triton, interpreted on CPU)"
             stand_in = "stand-in: PyTorch reader (no GPU)"
-            return cls(device, {
-                COMPRESSED_WRITER: interpreted, INDEXER_WRITER: interpreted, ZEROER: interpreted,
-                SWA_WRITER: "stand-in: its Triton twin quantize_and_insert_k_cache (CUDA-only op)",
-                ATTENTION_DECODE: stand_in, ATTENTION_PREFILL: stand_in,
-                INDEXER_LOGITS: stand_in, INDEXER_GATHER: stand_in})
+            return cls(
+                device,
+                {
+                    COMPRESSED_WRITER: interpreted,
+                    INDEXER_WRITER: interpreted,
+                    ZEROER: interpreted,
+                    SWA_WRITER: "stand-in: its Triton twin quantize_and_insert_k_cache (CUDA-only op)",
+                    ATTENTION_DECODE: stand_in,
+                    ATTENTION_PREFILL: stand_in,
+                    INDEXER_LOGITS: stand_in,
+                    INDEXER_GATHER: stand_in,
+                },
+            )
         import vllm._custom_ops  # noqa: F401  (loads vLLM's CUDA ops into torch.ops)
 
         def op(namespace: str, name: str) -> str:
             found = hasattr(getattr(torch.ops, namespace), name)
-            return "real (vLLM CUDA op)" if found else f"stand-in: torch.ops.{namespace}.{name} missing"
+            return (
+                "real (vLLM CUDA op)"
+                if found
+                else f"stand-in: torch.ops.{namespace}.{name} missing"
+            )
 
-        sources = {COMPRESSED_WRITER: "real (Triton)", INDEXER_WRITER: "real (Triton)",
-                   ZEROER: "real (Triton)",
-                   SWA_WRITER: op("_C", "fused_deepseek_v4_kv_rope_insert"),
-                   INDEXER_GATHER: op("_C_cache_ops", "cp_gather_indexer_k_quant_cache")}
+        sources = {
+            COMPRESSED_WRITER: "real (Triton)",
+            INDEXER_WRITER: "real (Triton)",
+            ZEROER: "real (Triton)",
+            SWA_WRITER: op("_C", "fused_deepseek_v4_kv_rope_insert"),
+            INDEXER_GATHER: op("_C_cache_ops", "cp_gather_indexer_k_quant_cache"),
+        }
         if sources[SWA_WRITER].startswith("stand-in"):
             sources[SWA_WRITER] += "; its Triton twin writes instead"
         if device.kind == "sm12x":
             from vllm.utils.flashinfer import has_flashinfer_sparse_mla_sm120
 
-            attention = ("real (FlashInfer)" if has_flashinfer_sparse_mla_sm120() else
-                         "stand-in: PyTorch reader (FlashInfer has no SM120 sparse-MLA API here)")
+            attention = (
+                "real (FlashInfer)"
+                if has_flashinfer_sparse_mla_sm120()
+                else "stand-in: PyTorch reader (FlashInfer has no SM120 sparse-MLA API here)"
+            )
         else:
             attention = "stand-in: PyTorch reader (FlashInfer's SM120 kernel needs SM12x)"
         sources[ATTENTION_DECODE] = sources[ATTENTION_PREFILL] = attention
         from vllm.utils.deep_gemm import is_deep_gemm_supported
 
-        sources[INDEXER_LOGITS] = ("real (DeepGEMM)" if is_deep_gemm_supported() else
-                                   "stand-in: PyTorch reader (vLLM finds DeepGEMM unusable here: "
-                                   "is_deep_gemm_supported() is False)")
+        sources[INDEXER_LOGITS] = (
+            "real (DeepGEMM)"
+            if is_deep_gemm_supported()
+            else "stand-in: PyTorch reader (vLLM finds DeepGEMM unusable here: "
+            "is_deep_gemm_supported() is False)"
+        )
         return cls(device, sources)
 
     def is_real(self, kernel: str) -> bool:
@@ -130,19 +151,31 @@ class Kernels:
 
     # ------------------------------------------------------------ writers
 
-    def write_swa(self, view: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
+    def write_swa(
+        self,
+        view: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        slots: torch.Tensor,
+        block_size: int,
+    ) -> None:
         """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied)."""
         if self.is_real(SWA_WRITER):
             torch.ops._C.fused_deepseek_v4_kv_rope_insert(
-                kv, view, slots, positions, cos_sin, block_size, None, False)
+                kv, view, slots, positions, cos_sin, block_size, None, False
+            )
             return
         from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
 
-        rotated = ref.rope_swa_rows(kv, cos_sin[positions.clamp(0, cos_sin.shape[0] - 1)],
-                                    ref.Rounding("round-to-nearest-even"))
-        quantize_and_insert_k_cache(rotated, view.view(view.shape[0], -1), slots,
-                                    block_size=block_size)
+        rotated = ref.rope_swa_rows(
+            kv,
+            cos_sin[positions.clamp(0, cos_sin.shape[0] - 1)],
+            ref.Rounding("round-to-nearest-even"),
+        )
+        quantize_and_insert_k_cache(
+            rotated, view.view(view.shape[0], -1), slots, block_size=block_size
+        )
 
     @staticmethod
     def write_compressed(view, latent, positions, cos_sin, slots, ratio: int) -> None:
@@ -185,16 +218,28 @@ class Kernels:
 
     # ------------------------------------------------------------ indexer
 
-    def paged_logits(self, q_fp8: torch.Tensor, kv_view: torch.Tensor, weights: torch.Tensor,
-                     context_lens: torch.Tensor, block_table: torch.Tensor,
-                     schedule: torch.Tensor, max_len: int) -> torch.Tensor:
+    def paged_logits(
+        self,
+        q_fp8: torch.Tensor,
+        kv_view: torch.Tensor,
+        weights: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        schedule: torch.Tensor,
+        max_len: int,
+    ) -> torch.Tensor:
         """Indexer decode logits [rows, max_len] as ``sparse_attn_indexer``
         asks DeepGEMM for them (fp8 cache: no q scale tensor)."""
         if not self.is_real(INDEXER_LOGITS):
             device = q_fp8.device
-            return paged_mqa_logits_stand_in(q_fp8.cpu(), kv_view.cpu(), weights.cpu(),
-                                             context_lens.cpu(), block_table.cpu(),
-                                             max_len).to(device)
+            return paged_mqa_logits_stand_in(
+                q_fp8.cpu(),
+                kv_view.cpu(),
+                weights.cpu(),
+                context_lens.cpu(),
+                block_table.cpu(),
+                max_len,
+            ).to(device)
         from vllm.utils import deep_gemm
 
         func = deep_gemm.fp8_fp4_paged_mqa_logits
@@ -204,14 +249,16 @@ class Kernels:
             extra["clean_logits"] = False
         if "logits_dtype" in params:
             extra["logits_dtype"] = torch.float32
-        return func((q_fp8, None), kv_view, weights, context_lens, block_table, schedule,
-                    max_len, **extra)
+        return func(
+            (q_fp8, None), kv_view, weights, context_lens, block_table, schedule, max_len, **extra
+        )
 
     def gather_k(self, kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
         if not self.is_real(INDEXER_GATHER):
             k, scale = dst_k.cpu(), dst_scale.cpu()
-            gather_indexer_k_stand_in(kv_cache.cpu(), k, scale, block_table.cpu(),
-                                      cu_seq_lens.cpu())
+            gather_indexer_k_stand_in(
+                kv_cache.cpu(), k, scale, block_table.cpu(), cu_seq_lens.cpu()
+            )
             dst_k.copy_(k)
             dst_scale.copy_(scale)
             return
@@ -222,26 +269,42 @@ class Kernels:
 
 # --------------------------------------------------------------- stand-ins
 
-def flashinfer_page_problem(page_rows: int, extra_rows: int | None, num_heads: int,
-                            topk: int) -> str | None:
+
+def flashinfer_page_problem(
+    page_rows: int, extra_rows: int | None, num_heads: int, topk: int
+) -> str | None:
     """Why FlashInfer's SM120 sparse-MLA kernels have no kernel for these page
     sizes, from the installed FlashInfer's own planner or static envelope."""
     from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import sm120_decode_verdict
 
-    problem = sm120_decode_verdict(page_rows, extra_rows is not None, num_tokens=1,
-                                   num_heads=num_heads, topk=topk)
+    problem = sm120_decode_verdict(
+        page_rows, extra_rows is not None, num_tokens=1, num_heads=num_heads, topk=topk
+    )
     if problem is None and extra_rows is not None:
-        problem = sm120_decode_verdict(extra_rows, True, num_tokens=1, num_heads=num_heads,
-                                       topk=topk)
+        problem = sm120_decode_verdict(
+            extra_rows, True, num_tokens=1, num_heads=num_heads, topk=topk
+        )
         if problem is not None:
             problem = f"extra (compressed) page of {extra_rows} rows: {problem}"
     return problem
 
 
-def sparse_mla_stand_in(*, query, swa_kv_cache, workspace_buffer, sparse_indices,
-                        compressed_kv_cache, out, bmm1_scale, sinks, kv_layout,
-                        swa_topk_lens, extra_sparse_indices=None, extra_sparse_topk_lens=None,
-                        **_ignored) -> None:
+def sparse_mla_stand_in(
+    *,
+    query,
+    swa_kv_cache,
+    workspace_buffer,
+    sparse_indices,
+    compressed_kv_cache,
+    out,
+    bmm1_scale,
+    sinks,
+    kv_layout,
+    swa_topk_lens,
+    extra_sparse_indices=None,
+    extra_sparse_topk_lens=None,
+    **_ignored,
+) -> None:
     """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` as vLLM calls it on
     SM120, in PyTorch: refuse page sizes FlashInfer has no kernel for, then read
     the pages exactly where the kernel reads them."""
@@ -250,20 +313,28 @@ def sparse_mla_stand_in(*, query, swa_kv_cache, workspace_buffer, sparse_indices
     problem = flashinfer_page_problem(
         int(swa_kv_cache.shape[1]),
         int(compressed_kv_cache.shape[1]) if compressed_kv_cache is not None else None,
-        int(query.shape[1]), int(sparse_indices.shape[-1]))
+        int(query.shape[1]),
+        int(sparse_indices.shape[-1]),
+    )
     if problem is not None:
         raise ValueError(f"FlashInfer refuses this page geometry: {problem}")
     decoded = ref.sm120_sparse_decode(
-        query.float().cpu(), swa_kv_cache.cpu(), sparse_indices.cpu(), swa_topk_lens.cpu(),
+        query.float().cpu(),
+        swa_kv_cache.cpu(),
+        sparse_indices.cpu(),
+        swa_topk_lens.cpu(),
         None if compressed_kv_cache is None else compressed_kv_cache.cpu(),
         None if extra_sparse_indices is None else extra_sparse_indices.cpu(),
         None if extra_sparse_topk_lens is None else extra_sparse_topk_lens.cpu(),
-        sinks.float().cpu()[: query.shape[1]], float(bmm1_scale))
+        sinks.float().cpu()[: query.shape[1]],
+        float(bmm1_scale),
+    )
     out.copy_(decoded.to(out.dtype))
 
 
-def paged_mqa_logits_stand_in(q_fp8, kv_view, weights, context_lens, block_table,
-                              max_len: int) -> torch.Tensor:
+def paged_mqa_logits_stand_in(
+    q_fp8, kv_view, weights, context_lens, block_table, max_len: int
+) -> torch.Tensor:
     """DeepGEMM's paged MQA logits in PyTorch: ``logits[t, s] = k_scale[s] *
     sum_h w[t, h] * relu(q[t, h] . k[s])`` for request-local compressed
     position ``s`` read through the block table, -inf past the context."""
@@ -271,8 +342,10 @@ def paged_mqa_logits_stand_in(q_fp8, kv_view, weights, context_lens, block_table
 
     rows = int(kv_view.shape[1])
     if rows not in get_paged_mqa_page_sizes():
-        raise ValueError(f"DeepGEMM's paged MQA logits take pages of {get_paged_mqa_page_sizes()} "
-                         f"states on this device, the indexer cache has {rows}")
+        raise ValueError(
+            f"DeepGEMM's paged MQA logits take pages of {get_paged_mqa_page_sizes()} "
+            f"states on this device, the indexer cache has {rows}"
+        )
     batch, next_n = q_fp8.shape[:2]
     out = torch.full((batch * next_n, max_len), float("-inf"))
     cache = kv_view[:, :, 0] if kv_view.dim() == 4 else kv_view
@@ -284,8 +357,9 @@ def paged_mqa_logits_stand_in(q_fp8, kv_view, weights, context_lens, block_table
             s = torch.arange(length)
             flat = block_table[b, s // rows].to(torch.int64) * rows + s % rows
             keys = ref.read_index_keys(cache, flat)
-            out[b * next_n + n, :length] = ref.index_logits(q_fp8[b, n], weights[b * next_n + n],
-                                                            keys)
+            out[b * next_n + n, :length] = ref.index_logits(
+                q_fp8[b, n], weights[b * next_n + n], keys
+            )
     return out
 
 
@@ -302,5 +376,5 @@ def gather_indexer_k_stand_in(kv_cache, dst_k, dst_scale, block_table, cu_seq_le
         base = kv_cache.storage_offset() + page * kv_cache.stride(0)
         values = ref.gather_bytes(flat, base + (s % rows) * ref.INDEX_DIM, ref.INDEX_DIM)
         scales = ref.gather_bytes(flat, base + rows * ref.INDEX_DIM + (s % rows) * 4, 4)
-        dst_k[cu[b]: cu[b + 1]].view(torch.uint8).copy_(values)
-        dst_scale[cu[b]: cu[b + 1]].copy_(scales)
+        dst_k[cu[b] : cu[b + 1]].view(torch.uint8).copy_(values)
+        dst_scale[cu[b] : cu[b + 1]].copy_(scales)

@@ -88,11 +88,19 @@ GEOMETRIES: dict[str, Geometry] = {
     g.name: g
     for g in (
         Geometry("split", "fix, default: interleaved split", "fix"),
-        Geometry("fallback", "fix, fallback: per-ratio (chosen: KV connector configured)", "fix",
-                 kv_connector=True),
+        Geometry(
+            "fallback",
+            "fix, fallback: per-ratio (chosen: KV connector configured)",
+            "fix",
+            kv_connector=True,
+        ),
         Geometry("upstream", "upstream, no fix", "upstream", via_plugin=False),
-        Geometry("control", "control: split, ratio-1 writers untranslated (#56509)", "control",
-                 untranslated=True),
+        Geometry(
+            "control",
+            "control: split, ratio-1 writers untranslated (#56509)",
+            "control",
+            untranslated=True,
+        ),
     )
 }
 
@@ -158,7 +166,8 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
         speculative_config=None,
         kv_transfer_config=(
             KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
-            if kv_connector else None
+            if kv_connector
+            else None
         ),
         kernel_config=SimpleNamespace(enable_jit_warmup=False),
         use_v2_model_runner=True,
@@ -175,9 +184,12 @@ def upstream_block_size() -> int:
     )
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 
-    sizes = [int(size) for backend in (DeepseekV4FlashInferMLASparseBackend,
-                                       DeepseekV41IndexerBackend)
-             for size in backend.get_supported_kernel_block_sizes() if isinstance(size, int)]
+    sizes = [
+        int(size)
+        for backend in (DeepseekV4FlashInferMLASparseBackend, DeepseekV41IndexerBackend)
+        for size in backend.get_supported_kernel_block_sizes()
+        if isinstance(size, int)
+    ]
     return min(sizes) if sizes else 128
 
 
@@ -248,9 +260,14 @@ class Layout:
             page = size * int(torch.tensor(view.shape[1:]).prod())
         per_block = cache.spec.block_size // kernel if split else 1
         stride = (group.kernel_block_stride or per_block) if split else 1
-        return [(size * (view.storage_offset() + (b * stride + j) * view.stride(0)),
-                 size * (view.storage_offset() + (b * stride + j) * view.stride(0)) + page)
-                for b in ids for j in range(per_block)]
+        return [
+            (
+                size * (view.storage_offset() + (b * stride + j) * view.stride(0)),
+                size * (view.storage_offset() + (b * stride + j) * view.stride(0)) + page,
+            )
+            for b in ids
+            for j in range(per_block)
+        ]
 
     def mask_of(self, cache_blocks: dict[str, list[int]], padded: bool = True) -> torch.Tensor:
         """Bytes of the allocation that are the given caches' own pages in the
@@ -282,9 +299,10 @@ def _new_sm120_attention(prefix: str, layer: int, ratio: int, model: TinyModel, 
     attn.kv_page_alignment = PAGE_ALIGN
     attn.compressed_bytes_per_token = SWA_RECORD
     attn.kv_cache = torch.tensor([])
-    attn.scale = attn.head_dim ** -0.5
+    attn.scale = attn.head_dim**-0.5
     attn.topk_indices_buffer = torch.full(
-        (model.max_num_batched_tokens, model.index_topk), -1, dtype=torch.int32, device=device)
+        (model.max_num_batched_tokens, model.index_topk), -1, dtype=torch.int32, device=device
+    )
     attn.attn_sink = torch.zeros(model.q_heads, dtype=torch.float32, device=device)
     return attn
 
@@ -320,13 +338,16 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
                 bounded_replay=True,
             )
             reader.swa_cache_layer = swa
-            caches[swa.prefix] = CacheLayer(swa.prefix, "swa", layer, ratio, swa, swa.get_attn_backend())
+            caches[swa.prefix] = CacheLayer(
+                swa.prefix, "swa", layer, ratio, swa, swa.get_attn_backend()
+            )
             if layer not in model.kv_sources:
                 continue
             # Registered in the forward context as DeepseekV4Attention.__init__ does.
             cfg.compilation_config.static_forward_context[prefix] = reader
-            caches[prefix] = CacheLayer(prefix, "compressed", layer, ratio, reader,
-                                        DeepseekV4FlashInferMLASparseBackend)
+            caches[prefix] = CacheLayer(
+                prefix, "compressed", layer, ratio, reader, DeepseekV4FlashInferMLASparseBackend
+            )
             index = attention.DeepseekV4IndexerCache(
                 head_dim=INDEXER_ROW,
                 dtype=torch.uint8,
@@ -334,16 +355,18 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
                 cache_config=cfg.cache_config,
                 compress_ratio=ratio,
             )
-            caches[index.prefix] = CacheLayer(index.prefix, "indexer", layer, ratio, index,
-                                              index.get_attn_backend())
+            caches[index.prefix] = CacheLayer(
+                index.prefix, "indexer", layer, ratio, index, index.get_attn_backend()
+            )
             if ratio > 1:
                 ring = CompressorStateCache(
                     state_dim=STATE_DIM,
                     dtype=torch.float32,
                     prefix=f"{prefix}.compressor.state_cache",
                 )
-                caches[ring.prefix] = CacheLayer(ring.prefix, "ring", layer, ratio, ring,
-                                                 ring.get_attn_backend())
+                caches[ring.prefix] = CacheLayer(
+                    ring.prefix, "ring", layer, ratio, ring, ring.get_attn_backend()
+                )
     return caches, readers
 
 
@@ -396,8 +419,9 @@ def _upstream_refusal(kv_caches, groups) -> str | None:
     return None
 
 
-def build_layout(geometry: Geometry, model: TinyModel, sentinel: int,
-                 device: torch.device | str = "cpu") -> Layout:
+def build_layout(
+    geometry: Geometry, model: TinyModel, sentinel: int, device: torch.device | str = "cpu"
+) -> Layout:
     """Specs, groups, allocation, attention groups and builders, kernel views,
     bindings and the zeroer, on ``device``; the allocation filled with ``sentinel``."""
     from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
@@ -454,7 +478,9 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int,
             group.create_metadata_builders(cfg, device, kernel_block_size=kernel_block_sizes[gid])
 
     kv_caches = allocate_kv_cache(
-        kv_cache_config, device, cfg.cache_config.get_resolved_kv_cache_layout(),
+        kv_cache_config,
+        device,
+        cfg.cache_config.get_resolved_kv_cache_layout(),
         kernel_block_sizes,
     )
     all_groups = [g for gs in attn_groups for g in gs]
@@ -466,9 +492,13 @@ def build_layout(geometry: Geometry, model: TinyModel, sentinel: int,
 
     storage = storage_bytes(next(iter(kv_caches.values())))
     storage.fill_(sentinel)
-    zeroer = KVBlockZeroer(device, iter(all_groups), kernel_block_sizes,
-                           cfg.compilation_config.static_forward_context,
-                           kv_cache_config.num_blocks)
+    zeroer = KVBlockZeroer(
+        device,
+        iter(all_groups),
+        kernel_block_sizes,
+        cfg.compilation_config.static_forward_context,
+        kv_cache_config.num_blocks,
+    )
     return Layout(
         geometry=geometry,
         model=model,
@@ -497,8 +527,11 @@ def describe(layout: Layout) -> list[str]:
         lines.append(
             f"{cache.name}: group {cache.group_id} manager block "
             f"{layout.group_block_size(cache.group_id)}"
-            + (f", kernel block {kernel} (stride {cache.attn_group.kernel_block_stride})"
-               if kernel else "")
+            + (
+                f", kernel block {kernel} (stride {cache.attn_group.kernel_block_stride})"
+                if kernel
+                else ""
+            )
             + f"; bound view {tuple(view.shape)} rows/page {view.shape[1]}"
             f" page stride {view.stride(0)}"
         )

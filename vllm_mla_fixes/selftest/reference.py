@@ -129,9 +129,7 @@ def _ue8m0_exponent(amax: torch.Tensor, divide: bool) -> torch.Tensor:
     return torch.ceil(torch.log2(ratio))
 
 
-def quant_dequant_nope(
-    nope: torch.Tensor, rounding: Rounding, divide: bool
-) -> torch.Tensor:
+def quant_dequant_nope(nope: torch.Tensor, rounding: Rounding, divide: bool) -> torch.Tensor:
     """[N, 448] fp32 -> fp32 values the V4 record's fp8 part decodes to."""
     tiles = nope.to(torch.float32).reshape(-1, NUM_SCALES, TILE)
     exp = _ue8m0_exponent(tiles.abs().amax(dim=-1), divide)
@@ -166,7 +164,9 @@ def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding) -> torch.Tensor:
 
 
 def dense_compressed_rows(
-    latent_bf16: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+    latent_bf16: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
     rounding: Rounding,
 ) -> torch.Tensor:
     """Compressed rows stored by ``rope_quant_insert`` for latents [N, 512]
@@ -177,8 +177,12 @@ def dense_compressed_rows(
 
 
 def dense_index_keys(
-    k_pre_bf16: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    rope_cos: torch.Tensor, rope_sin: torch.Tensor, rounding: Rounding,
+    k_pre_bf16: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    rounding: Rounding,
 ) -> torch.Tensor:
     """Index keys stored by ``indexer_k_norm_rope_store`` (fp8 path), as
     dequantised fp32 [N, 128]: RMSNorm, bf16, RoPE on the last 64 dims, bf16,
@@ -323,9 +327,7 @@ def sm120_sparse_decode(
         rows = [read_v4_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
         if extra_cache is not None:
             assert extra_indices is not None and extra_lens is not None
-            rows.append(
-                read_v4_rows(extra_cache, _segment(extra_indices[t], extra_lens[t]))
-            )
+            rows.append(read_v4_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
         out[t] = sink_softmax_attention(q[t], torch.cat(rows), sink, scale)
     return out
 

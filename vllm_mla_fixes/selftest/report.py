@@ -10,7 +10,6 @@ from . import kernels as kn
 from .harness import GeometryResult
 from .timeline import CASES
 from .timing import StepCost
-
 from .verdicts import (
     BUG,
     CAUGHT,
@@ -22,7 +21,6 @@ from .verdicts import (
     NO_BUG,
     PASS,
 )
-
 
 
 @dataclass
@@ -60,10 +58,18 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
             verdict = CAUGHT if bad else "-"
         else:
             verdict = BUG if bad else NO_BUG
-        rows.append(Row(result.geometry, kernel, kernels.sources[kernel],
-                        tally.compared if reader else tally.writes,
-                        tally.worst if reader else None,
-                        None if reader else tally.foreign_bytes, verdict, list(tally.problems)))
+        rows.append(
+            Row(
+                result.geometry,
+                kernel,
+                kernels.sources[kernel],
+                tally.compared if reader else tally.writes,
+                tally.worst if reader else None,
+                None if reader else tally.foreign_bytes,
+                verdict,
+                list(tally.problems),
+            )
+        )
     return rows
 
 
@@ -87,48 +93,91 @@ class Report:
     def as_json(self) -> dict[str, Any]:
         return {
             "vllm": self.vllm,
-            "device": {"kind": self.device.kind, "name": self.device.name,
-                       "capability": list(self.device.capability) if self.device.capability else None},
+            "device": {
+                "kind": self.device.kind,
+                "name": self.device.name,
+                "capability": list(self.device.capability) if self.device.capability else None,
+            },
             "exit_status": self.exit_status,
             "cannot_run": self.cannot_run,
             "notes": self.notes,
             "kernels": dict(self.kernels.sources),
-            "geometries": [{
-                "name": r.geometry, "title": r.title, "role": r.role,
-                "verdict": geometry_verdict(r), "block_size": r.block_size, "status": r.status,
-                "aborted": r.aborted, "seconds": round(r.seconds, 1),
-                "stray_bytes": r.stray_bytes, "foreign_bytes": r.foreign_bytes,
-                "tiling_problems": r.tiling_problems, "ratio1_slot_mismatches": r.slot_mismatches,
-                "stale_bytes_zeroed": r.stale_bytes_zeroed, "reused_blocks": r.reused_blocks,
-                "layout": r.layout,
-                "cases": {name: {"compared": t.compared, "worst_error": _num(t.worst),
-                                 "foreign_bytes": t.foreign_bytes, "failed": bool(t.problems),
-                                 "problems": t.problems}
-                          for name, t in r.cases.items()},
-                "rows": [{"kernel": row.kernel, "source": row.source, "compared": row.compared,
-                          "max_error": _num(row.max_error), "foreign_bytes": row.foreign_bytes,
-                          "verdict": row.verdict, "problems": row.problems}
-                         for row in rows_of(r, self.kernels)],
-            } for r in self.results],
-            "slot_translation_us": [{
-                "tokens": c.tokens, "kernel_slots_one_group": round(c.kernel_slots_us, 2),
-                "per_step_both_ratio1_groups": round(c.per_step_us, 2),
-                "vllm_map_to_kernel_block_table_one_group":
-                    round(c.map_to_kernel_block_table_us, 2)} for c in self.timing],
+            "geometries": [
+                {
+                    "name": r.geometry,
+                    "title": r.title,
+                    "role": r.role,
+                    "verdict": geometry_verdict(r),
+                    "block_size": r.block_size,
+                    "status": r.status,
+                    "aborted": r.aborted,
+                    "seconds": round(r.seconds, 1),
+                    "stray_bytes": r.stray_bytes,
+                    "foreign_bytes": r.foreign_bytes,
+                    "tiling_problems": r.tiling_problems,
+                    "ratio1_slot_mismatches": r.slot_mismatches,
+                    "stale_bytes_zeroed": r.stale_bytes_zeroed,
+                    "reused_blocks": r.reused_blocks,
+                    "layout": r.layout,
+                    "cases": {
+                        name: {
+                            "compared": t.compared,
+                            "worst_error": _num(t.worst),
+                            "foreign_bytes": t.foreign_bytes,
+                            "failed": bool(t.problems),
+                            "problems": t.problems,
+                        }
+                        for name, t in r.cases.items()
+                    },
+                    "rows": [
+                        {
+                            "kernel": row.kernel,
+                            "source": row.source,
+                            "compared": row.compared,
+                            "max_error": _num(row.max_error),
+                            "foreign_bytes": row.foreign_bytes,
+                            "verdict": row.verdict,
+                            "problems": row.problems,
+                        }
+                        for row in rows_of(r, self.kernels)
+                    ],
+                }
+                for r in self.results
+            ],
+            "slot_translation_us": [
+                {
+                    "tokens": c.tokens,
+                    "kernel_slots_one_group": round(c.kernel_slots_us, 2),
+                    "per_step_both_ratio1_groups": round(c.per_step_us, 2),
+                    "vllm_map_to_kernel_block_table_one_group": round(
+                        c.map_to_kernel_block_table_us, 2
+                    ),
+                }
+                for c in self.timing
+            ],
         }
 
     def text(self) -> str:
-        lines = [f"vllm-mla-fixes selftest: DeepSeek-V4.1 KV page geometry on {self.device.label}, "
-                 f"vLLM {self.vllm}"]
+        lines = [
+            f"vllm-mla-fixes selftest: DeepSeek-V4.1 KV page geometry on {self.device.label}, "
+            f"vLLM {self.vllm}"
+        ]
         if self.cannot_run is not None:
             return "\n".join([*lines, f"cannot run: {self.cannot_run}"])
         table = [("geometry", "kernel", "source", "n", "max error", "foreign B", "verdict")]
         for result in self.results:
             for row in rows_of(result, self.kernels):
-                table.append((row.geometry, row.kernel, row.source, str(row.compared),
-                              "-" if row.max_error is None else f"{row.max_error:.2e}",
-                              "-" if row.foreign_bytes is None else str(row.foreign_bytes),
-                              row.verdict))
+                table.append(
+                    (
+                        row.geometry,
+                        row.kernel,
+                        row.source,
+                        str(row.compared),
+                        "-" if row.max_error is None else f"{row.max_error:.2e}",
+                        "-" if row.foreign_bytes is None else str(row.foreign_bytes),
+                        row.verdict,
+                    )
+                )
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         for i, row in enumerate(table):
             lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(row)).rstrip())
@@ -138,42 +187,57 @@ class Report:
         for result in self.results:
             verdict = geometry_verdict(result)
             failed = result.failed_cases()
-            lines.append(f"[{result.geometry}] {result.title}: {verdict} "
-                         f"(--block-size {result.block_size}, {result.seconds:.0f} s)")
+            lines.append(
+                f"[{result.geometry}] {result.title}: {verdict} "
+                f"(--block-size {result.block_size}, {result.seconds:.0f} s)"
+            )
             if result.status:
                 lines.append(f"    fix: {result.status}")
             if result.aborted:
                 lines.append(f"    aborted: {result.aborted}")
-            lines.append(f"    cases failed: {', '.join(failed) if failed else 'none'} "
-                         f"(of {len(CASES)}: {', '.join(CASES)})")
-            lines.append(f"    stray bytes {result.stray_bytes}, foreign bytes "
-                         f"{result.foreign_bytes}, page tiling problems "
-                         f"{len(result.tiling_problems)}, ratio-1 writer slots off the kernel "
-                         f"table {result.slot_mismatches}, stale bytes zeroed "
-                         f"{result.stale_bytes_zeroed}, freed blocks reused {result.reused_blocks}")
+            lines.append(
+                f"    cases failed: {', '.join(failed) if failed else 'none'} "
+                f"(of {len(CASES)}: {', '.join(CASES)})"
+            )
+            lines.append(
+                f"    stray bytes {result.stray_bytes}, foreign bytes "
+                f"{result.foreign_bytes}, page tiling problems "
+                f"{len(result.tiling_problems)}, ratio-1 writer slots off the kernel "
+                f"table {result.slot_mismatches}, stale bytes zeroed "
+                f"{result.stale_bytes_zeroed}, freed blocks reused {result.reused_blocks}"
+            )
             if verdict in (FAIL, BUG, MISSED):
                 for kernel, tally in result.kernels.items():
                     for problem in tally.problems[:2]:
                         lines.append(f"    {kernel}: {problem}")
         if self.timing:
             lines.append("")
-            lines.append("ratio-1 slot translation per step on this device (us): "
-                         "kernel_slots, both groups | vLLM's map_to_kernel_block_table, one group")
+            lines.append(
+                "ratio-1 slot translation per step on this device (us): "
+                "kernel_slots, both groups | vLLM's map_to_kernel_block_table, one group"
+            )
             for cost in self.timing:
                 what = "decode step" if cost.tokens <= 64 else "prefill chunk"
-                lines.append(f"    {what}, {cost.tokens} tokens: {cost.per_step_us:.1f} | "
-                             f"{cost.map_to_kernel_block_table_us:.1f}")
+                lines.append(
+                    f"    {what}, {cost.tokens} tokens: {cost.per_step_us:.1f} | "
+                    f"{cost.map_to_kernel_block_table_us:.1f}"
+                )
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
         if stand_ins:
-            lines.append("stand-ins on this device (their rows prove the layout against a "
-                         "PyTorch model of the kernel, not the kernel): " + "; ".join(stand_ins))
-        lines.append({EXIT_OK: "verdict: PASS - the fix's geometries read back as written in every "
-                               "serving case; the control was caught in every case",
-                      EXIT_MISMATCH: "verdict: FAIL - do not serve DeepSeek-V4.1 with this stack; "
-                                     "attach this output (or --json) to a bug report"}
-                     [self.exit_status])
+            lines.append(
+                "stand-ins on this device (their rows prove the layout against a "
+                "PyTorch model of the kernel, not the kernel): " + "; ".join(stand_ins)
+            )
+        lines.append(
+            {
+                EXIT_OK: "verdict: PASS - the fix's geometries read back as written in every "
+                "serving case; the control was caught in every case",
+                EXIT_MISMATCH: "verdict: FAIL - do not serve DeepSeek-V4.1 with this stack; "
+                "attach this output (or --json) to a bug report",
+            }[self.exit_status]
+        )
         return "\n".join(lines)
 
 

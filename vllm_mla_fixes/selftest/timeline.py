@@ -67,12 +67,19 @@ TIMELINE: tuple[StepPlan, ...] = (
     StepPlan("A prefill 1/3", (("A", 128),), ("chunked-prefill", "indexer-prefill")),
     StepPlan("A prefill 2/3", (("A", 101),), ("chunked-prefill", "indexer-prefill")),
     StepPlan("A prefill 3/3", (("A", 31),), ("chunked-prefill", "indexer-prefill")),
-    StepPlan("A decode + B prefill on A's prefix", (("A", 1), ("B", None)),
-             ("prefix-hit", "decoder-replay", "indexer-prefill")),
-    StepPlan("A, B decode padded to 4", (("A", 1), ("B", 1)), ("graph-padded",),
-             pad_to=4, finish=("A",)),
-    StepPlan("B decode + C prefill on freed blocks", (("B", 1), ("C", None)),
-             ("freed-blocks", "indexer-prefill")),
+    StepPlan(
+        "A decode + B prefill on A's prefix",
+        (("A", 1), ("B", None)),
+        ("prefix-hit", "decoder-replay", "indexer-prefill"),
+    ),
+    StepPlan(
+        "A, B decode padded to 4", (("A", 1), ("B", 1)), ("graph-padded",), pad_to=4, finish=("A",)
+    ),
+    StepPlan(
+        "B decode + C prefill on freed blocks",
+        (("B", 1), ("C", None)),
+        ("freed-blocks", "indexer-prefill"),
+    ),
     StepPlan("B, C decode", (("B", 1), ("C", 1)), ("freed-blocks",)),
 )
 
@@ -89,6 +96,7 @@ def prompt_tokens(name: str) -> list[int]:
 
 # ------------------------------------------------------------------ scheduler
 
+
 class BlockScheduler:
     """vLLM's ``KVCacheManager`` on the layout's KV cache config, driven as
     vLLM's scheduler drives it (prefix caching on)."""
@@ -100,11 +108,16 @@ class BlockScheduler:
 
         config = kv_cache_utils.generate_scheduler_kv_cache_config([layout.kv_cache_config])
         scheduler_block, hash_block = kv_cache_utils.resolve_kv_cache_block_sizes(
-            config, layout.config)
+            config, layout.config
+        )
         kv_cache_utils.init_none_hash(sha256)
-        self.manager = KVCacheManager(config, max_model_len=layout.model.max_model_len,
-                                      scheduler_block_size=scheduler_block,
-                                      hash_block_size=hash_block, enable_caching=True)
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=layout.model.max_model_len,
+            scheduler_block_size=scheduler_block,
+            hash_block_size=hash_block,
+            enable_caching=True,
+        )
         self.window = max(g.kv_cache_spec.prefix_replay_tokens for g in config.kv_cache_groups)
         self.hasher = kv_cache_utils.get_request_block_hasher(hash_block, sha256)
         self.requests: dict[str, Any] = {}
@@ -120,20 +133,29 @@ class BlockScheduler:
         request = self.requests.get(name)
         replay_start = 0
         if request is None:
-            request = Request(name, prompt_tokens(name), SamplingParams(max_tokens=16), None,
-                              block_hasher=self.hasher)
+            request = Request(
+                name,
+                prompt_tokens(name),
+                SamplingParams(max_tokens=16),
+                None,
+                block_hasher=self.hasher,
+            )
             self.requests[name] = request
             blocks, hit, _ = self.manager.get_computed_blocks(request)
             if 0 < hit <= self.window:
                 raise AssertionError(f"{name}: a hit of {hit} tokens would be dropped")
             replay = Scheduler._mark_prefix_replay(
-                SimpleNamespace(prefix_replay_tokens=self.window), request, hit, False)
+                SimpleNamespace(prefix_replay_tokens=self.window), request, hit, False
+            )
             replay_start = int(request.replay_start)
             computed = hit - replay
             count = request.num_tokens - computed if tokens is None else tokens
-            allocated = self.manager.allocate_slots(request, max(count - replay, 0),
-                                                    num_new_computed_tokens=hit,
-                                                    new_computed_blocks=blocks)
+            allocated = self.manager.allocate_slots(
+                request,
+                max(count - replay, 0),
+                num_new_computed_tokens=hit,
+                new_computed_blocks=blocks,
+            )
             request.num_computed_tokens = computed
         else:
             if request.num_computed_tokens == request.num_tokens:  # it sampled a token
@@ -141,10 +163,12 @@ class BlockScheduler:
             count = request.num_tokens - request.num_computed_tokens if tokens is None else tokens
             allocated = self.manager.allocate_slots(request, count)
         if allocated is None:
-            raise RuntimeError(f"the tiny model's block pool cannot hold {name}'s next {count} "
-                               "tokens")
+            raise RuntimeError(
+                f"the tiny model's block pool cannot hold {name}'s next {count} tokens"
+            )
         self.held.setdefault(name, set()).update(
-            b for ids in self.manager.get_block_ids(name) for b in ids if b)
+            b for ids in self.manager.get_block_ids(name) for b in ids if b
+        )
         return request.num_computed_tokens, count, replay_start
 
     def advance(self, name: str, count: int) -> None:
@@ -162,6 +186,7 @@ class BlockScheduler:
 
 
 # --------------------------------------------------------------------- worker
+
 
 @dataclass
 class Batch:
@@ -221,6 +246,7 @@ class Worker:
 
     def __init__(self, layout: Layout):
         from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
+
         try:
             from vllm.v1.kv_cache_interface import get_block_table_width
         except ImportError:  # before 0.34.0
@@ -238,36 +264,54 @@ class Worker:
             enabled.append(first.uses_slot_mapping)
             sharded.append(spec.dcp_sharded)
             # 0.33+: the sliding window's reach, for nulling SWA entries below it
-            reach.append(getattr(first, "num_retained_tokens", 0)
-                         if isinstance(first, SlidingWindowSpec) else 0)
+            reach.append(
+                getattr(first, "num_retained_tokens", 0)
+                if isinstance(first, SlidingWindowSpec)
+                else 0
+            )
             if first.prefix_cacheable:
                 self.cacheable.append(gid)
             if not first.uses_slot_mapping:
                 self.ring_groups.append(gid)
-            widths.append(get_block_table_width(
-                spec.max_num_blocks_per_req(cfg, model.max_model_len), spec.block_size,
-                token_alignment=spec.block_table_token_alignment))
+            widths.append(
+                get_block_table_width(
+                    spec.max_num_blocks_per_req(cfg, model.max_model_len),
+                    spec.block_size,
+                    token_alignment=spec.block_table_token_alignment,
+                )
+            )
         self.tables = BlockTables(
-            block_sizes=sizes, max_num_reqs=model.max_num_seqs,
+            block_sizes=sizes,
+            max_num_reqs=model.max_num_seqs,
             max_num_batched_tokens=model.max_num_batched_tokens,
-            max_num_blocks_per_group=widths, device=layout.device,
-            slot_mapping_enabled=enabled, dcp_sharded=sharded,
-            **_kwargs_supported(BlockTables.__init__, sliding_window_reach=reach))
-        self.masks_swa = "num_computed_tokens" in inspect.signature(
-            BlockTables.gather_block_tables).parameters
+            max_num_blocks_per_group=widths,
+            device=layout.device,
+            slot_mapping_enabled=enabled,
+            dcp_sharded=sharded,
+            **_kwargs_supported(BlockTables.__init__, sliding_window_reach=reach),
+        )
+        self.masks_swa = (
+            "num_computed_tokens" in inspect.signature(BlockTables.gather_block_tables).parameters
+        )
         self.num_computed = torch.zeros(model.max_num_seqs, dtype=torch.int32, device=layout.device)
         self.rows: dict[str, int] = {}
         self.replay_groups = None
 
     # ---------------------------------------------------------------- a step
 
-    def prepare(self, plan: StepPlan, scheduled: list[tuple[str, int, int, int, bool]],
-                block_ids: dict[str, tuple[list[int], ...]], new_block_ids: list[int]) -> Batch:
+    def prepare(
+        self,
+        plan: StepPlan,
+        scheduled: list[tuple[str, int, int, int, bool]],
+        block_ids: dict[str, tuple[list[int], ...]],
+        new_block_ids: list[int],
+    ) -> Batch:
         device = self.layout.device
         for name, *_ in scheduled:
             if name not in self.rows:
-                self.rows[name] = min(set(range(self.layout.model.max_num_seqs))
-                                      - set(self.rows.values()))
+                self.rows[name] = min(
+                    set(range(self.layout.model.max_num_seqs)) - set(self.rows.values())
+                )
             self.tables.append_block_ids(self.rows[name], block_ids[name], overwrite=True)
         self.tables.apply_staged_writes()
         names = [s[0] for s in scheduled]
@@ -280,13 +324,12 @@ class Worker:
         num_reqs = max(plan.pad_to, len(names))
         padded = max(plan.pad_to, num_tokens)
         positions = torch.full((padded,), 0, dtype=torch.int64)
-        positions[:num_tokens] = torch.cat(
-            [torch.arange(s, s + c) for s, c in zip(starts, counts)])
+        positions[:num_tokens] = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
         # Graph-padding rows keep whatever the persistent buffer last held.
         positions[num_tokens:] = 999
         qsl = torch.full((num_reqs + 1,), num_tokens, dtype=torch.int32)
         qsl[0] = 0
-        qsl[1: len(names) + 1] = torch.cumsum(torch.tensor(counts), 0)
+        qsl[1 : len(names) + 1] = torch.cumsum(torch.tensor(counts), 0)
         seq_lens = torch.zeros(num_reqs, dtype=torch.int32)
         seq_lens[: len(names)] = torch.tensor([s + c for s, c in zip(starts, counts)])
         for name, start in zip(names, starts):
@@ -295,12 +338,27 @@ class Worker:
         positions, qsl_dev, seq_lens = (t.to(device) for t in (positions, qsl, seq_lens))
         gather = {"num_computed_tokens": self.num_computed} if self.masks_swa else {}
         block_tables = self.tables.gather_block_tables(idx, num_reqs, **gather)
-        slots = self.tables.compute_slot_mappings(idx, qsl_dev[: len(names) + 1], positions,
-                                                  padded).clone()
-        return Batch(plan, names, starts, counts, replay_start, prefilling, rows, num_reqs,
-                     num_tokens,
-                     padded, positions, qsl_dev, seq_lens, slots, tuple(block_tables),
-                     new_block_ids)
+        slots = self.tables.compute_slot_mappings(
+            idx, qsl_dev[: len(names) + 1], positions, padded
+        ).clone()
+        return Batch(
+            plan,
+            names,
+            starts,
+            counts,
+            replay_start,
+            prefilling,
+            rows,
+            num_reqs,
+            num_tokens,
+            padded,
+            positions,
+            qsl_dev,
+            seq_lens,
+            slots,
+            tuple(block_tables),
+            new_block_ids,
+        )
 
     def build_metadata(self, batch: Batch) -> None:
         """vLLM's replay padding of the cacheable groups' slots, then every
@@ -317,36 +375,67 @@ class Worker:
         if any(batch.replay_start):
             cacheable = torch.tensor(self.cacheable, dtype=torch.int32, device=device)
             _pad_replayed_slots_kernel[(len(batch.names),)](
-                batch.slots, batch.slots.stride(0), cacheable, batch.query_start_loc,
-                batch.positions, replay_start, self.window, PAD_SLOT_ID,
-                NUM_GROUPS=len(self.cacheable), BLOCK=1024)
+                batch.slots,
+                batch.slots.stride(0),
+                cacheable,
+                batch.query_start_loc,
+                batch.positions,
+                replay_start,
+                self.window,
+                PAD_SLOT_ID,
+                NUM_GROUPS=len(self.cacheable),
+                BLOCK=1024,
+            )
         full_graph = batch.plan.pad_to > 0
         batch.metadata = self._build(
-            self.layout.attn_groups, batch, batch.num_reqs,
+            self.layout.attn_groups,
+            batch,
+            batch.num_reqs,
             batch.num_tokens_padded if full_graph else batch.num_tokens,
-            batch.query_start_loc, batch.positions, batch.slots, ReplayAttnMetadata(replay_start))
+            batch.query_start_loc,
+            batch.positions,
+            batch.slots,
+            ReplayAttnMetadata(replay_start),
+        )
         batch.replay = self._decoder_replay(batch, replay_start)
 
     @property
     def window(self) -> int:
         return self.layout.model.sliding_window
 
-    def _build(self, attn_groups, batch: Batch, num_reqs: int, num_tokens: int, qsl, positions,
-               slots, replay) -> dict[str, Any]:
+    def _build(
+        self,
+        attn_groups,
+        batch: Batch,
+        num_reqs: int,
+        num_tokens: int,
+        qsl,
+        positions,
+        slots,
+        replay,
+    ) -> dict[str, Any]:
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 
         lens = batch.seq_lens[:num_reqs]
-        query_lens = (qsl[1: num_reqs + 1] - qsl[:num_reqs]).tolist()
+        query_lens = (qsl[1 : num_reqs + 1] - qsl[:num_reqs]).tolist()
         is_prefilling = torch.tensor(batch.prefilling, device=self.layout.device)
         return build_attn_metadata(
-            attn_groups=attn_groups, num_reqs=num_reqs, num_tokens=num_tokens,
-            query_start_loc_gpu=qsl[: num_reqs + 1], query_start_loc_cpu=qsl[: num_reqs + 1].cpu(),
-            max_query_len=max(query_lens), seq_lens=lens, max_seq_len=int(lens.max()),
-            block_tables=[t[:num_reqs] for t in batch.block_tables], slot_mappings=slots,
+            attn_groups=attn_groups,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            query_start_loc_gpu=qsl[: num_reqs + 1],
+            query_start_loc_cpu=qsl[: num_reqs + 1].cpu(),
+            max_query_len=max(query_lens),
+            seq_lens=lens,
+            max_seq_len=int(lens.max()),
+            block_tables=[t[:num_reqs] for t in batch.block_tables],
+            slot_mappings=slots,
             kv_cache_config=self.layout.kv_cache_config,
-            seq_lens_cpu_upper_bound=lens.cpu(), positions=positions,
+            seq_lens_cpu_upper_bound=lens.cpu(),
+            positions=positions,
             is_prefilling=is_prefilling,
-            model_specific_attn_metadata=replay)
+            model_specific_attn_metadata=replay,
+        )
 
     def _decoder_replay(self, batch: Batch, replay_start: torch.Tensor) -> ReplayView | None:
         """Eager decoder replay (``DeepseekV41ModelState._prepare_replay_batch``):
@@ -379,25 +468,55 @@ class Worker:
         kept_slots = torch.empty(groups, num_kept, dtype=batch.slots.dtype, device=device)
         kv_start = torch.empty(num_reqs, dtype=torch.int32, device=device)
         _gather_replay_batch_kernel[(num_reqs,)](
-            batch.query_start_loc, dropped_before, batch.seq_lens, replay_start, batch.positions,
-            batch.slots, batch.slots.stride(0), rows, kept_qsl, kept_positions, kept_slots,
-            kept_slots.stride(0), kv_start, self.window, NUM_GROUPS=groups, BLOCK=1024)
+            batch.query_start_loc,
+            dropped_before,
+            batch.seq_lens,
+            replay_start,
+            batch.positions,
+            batch.slots,
+            batch.slots.stride(0),
+            rows,
+            kept_qsl,
+            kept_positions,
+            kept_slots,
+            kept_slots.stride(0),
+            kv_start,
+            self.window,
+            NUM_GROUPS=groups,
+            BLOCK=1024,
+        )
         prefixes, first_swa = self._replay_prefixes()
         if self.replay_groups is None:
             state = SimpleNamespace(vllm_config=self.layout.config, device=device)
             self.replay_groups = (
                 DeepseekV41ModelState._copy_attn_groups(state, self.layout.attn_groups, prefixes),
-                DeepseekV41ModelState._copy_attn_groups(state, self.layout.attn_groups,
-                                                        {first_swa}))
+                DeepseekV41ModelState._copy_attn_groups(
+                    state, self.layout.attn_groups, {first_swa}
+                ),
+            )
         replay_groups, first_swa_groups = self.replay_groups
         kept_batch = _KeptBatch(batch)
-        metadata = self._build(replay_groups, kept_batch, num_reqs, num_kept, kept_qsl,
-                               kept_positions, kept_slots, ReplayAttnMetadata(kv_start))
-        metadata[first_swa] = self._build(first_swa_groups, kept_batch, num_reqs, num_kept,
-                                          kept_qsl, kept_positions, kept_slots,
-                                          ReplayAttnMetadata(replay_start))[first_swa]
-        return ReplayView(rows, kept_qsl, kept_positions, kept_slots,
-                          kv_start.tolist(), metadata)
+        metadata = self._build(
+            replay_groups,
+            kept_batch,
+            num_reqs,
+            num_kept,
+            kept_qsl,
+            kept_positions,
+            kept_slots,
+            ReplayAttnMetadata(kv_start),
+        )
+        metadata[first_swa] = self._build(
+            first_swa_groups,
+            kept_batch,
+            num_reqs,
+            num_kept,
+            kept_qsl,
+            kept_positions,
+            kept_slots,
+            ReplayAttnMetadata(replay_start),
+        )[first_swa]
+        return ReplayView(rows, kept_qsl, kept_positions, kept_slots, kv_start.tolist(), metadata)
 
     def _replay_prefixes(self) -> tuple[set[str], str]:
         """``DecoderReplayLayers.metadata_prefixes`` and ``first_swa_prefix`` of
@@ -422,5 +541,3 @@ class _KeptBatch:
         self.seq_lens = batch.seq_lens
         self.block_tables = batch.block_tables
         self.prefilling = batch.prefilling
-
-

@@ -64,23 +64,32 @@ def _slot_translation_cost(device: torch.device) -> list[StepCost]:
 
     from .applied import applied_fix
 
-    model = TinyModel(max_num_seqs=DECODE_REQUESTS, max_num_batched_tokens=PREFILL_CHUNK,
-                      max_model_len=2 * PREFILL_CHUNK, num_blocks=2 * PREFILL_CHUNK // 128 + 8)
+    model = TinyModel(
+        max_num_seqs=DECODE_REQUESTS,
+        max_num_batched_tokens=PREFILL_CHUNK,
+        max_model_len=2 * PREFILL_CHUNK,
+        num_blocks=2 * PREFILL_CHUNK // 128 + 8,
+    )
     out = []
     with applied_fix():
         layout = build_layout(GEOMETRIES["split"], model, 0, device)
-        group = next(c.attn_group for c in layout.caches.values()
-                     if c.kind == "compressed" and c.ratio == 1)
+        group = next(
+            c.attn_group for c in layout.caches.values() if c.kind == "compressed" and c.ratio == 1
+        )
         gen = torch.Generator().manual_seed(0)
         blocks = layout.kv_cache_config.num_blocks
         width = model.max_model_len // layout.group_block_size(group.kv_cache_group_id)
         for tokens, requests in ((DECODE_REQUESTS, DECODE_REQUESTS), (PREFILL_CHUNK, 1)):
-            table = torch.randint(1, blocks, (requests, width), generator=gen,
-                                  dtype=torch.int32).to(device)
+            table = torch.randint(
+                1, blocks, (requests, width), generator=gen, dtype=torch.int32
+            ).to(device)
             slots = torch.randint(0, blocks * 128, (tokens,), generator=gen).to(device)
             slots[-3:] = -1  # graph padding
-            out.append(StepCost(
-                tokens,
-                _best_us(lambda s=slots: fix.kernel_slots(group, s), device),
-                _best_us(lambda t=table: group.map_to_kernel_block_table(t), device)))
+            out.append(
+                StepCost(
+                    tokens,
+                    _best_us(lambda s=slots: fix.kernel_slots(group, s), device),
+                    _best_us(lambda t=table: group.map_to_kernel_block_table(t), device),
+                )
+            )
     return out

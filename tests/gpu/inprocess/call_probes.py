@@ -20,6 +20,7 @@ actually asked to do, written as JSON lines to ``$VLLM_MLA_FIXES_GPU_CALL_LOG``.
 
 Only this module's own code; it wraps the two vLLM names and calls through.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,6 +54,7 @@ def emit(record: dict) -> None:
 
 # ----------------------------------------------------------------- FA4
 
+
 def instrument_fa4(interface) -> None:
     original_forward = interface._flash_attn_fwd
     original_heuristic = interface.num_splits_heuristic
@@ -69,9 +71,12 @@ def instrument_fa4(interface) -> None:
     def _flash_attn_fwd(q, *args, **kwargs):
         state.decisions = []
         shape = tuple(getattr(q, "shape", ()))
-        record = {"probe": "fa4", "compile_only": bool(kwargs.get("compile_only", False)),
-                  "total_q": int(shape[0]) if len(shape) == 3 else None,
-                  "max_seqlen_k": kwargs.get("max_seqlen_k")}
+        record = {
+            "probe": "fa4",
+            "compile_only": bool(kwargs.get("compile_only", False)),
+            "total_q": int(shape[0]) if len(shape) == 3 else None,
+            "max_seqlen_k": kwargs.get("max_seqlen_k"),
+        }
         try:
             return original_forward(q, *args, **kwargs)
         except BaseException as exc:
@@ -93,18 +98,23 @@ def new_split_kv_calls(records: list[dict]) -> list[dict]:
     that no compile-only Split-KV call of warm-up had."""
     fa4 = [r for r in records if r.get("probe") == "fa4"]
     warm = {r["total_q"] for r in fa4 if r["compile_only"] and (r["num_splits"] or 1) > 1}
-    return [r for r in fa4 if not r["compile_only"] and (r["num_splits"] or 1) > 1
-            and r["total_q"] not in warm]
+    return [
+        r
+        for r in fa4
+        if not r["compile_only"] and (r["num_splits"] or 1) > 1 and r["total_q"] not in warm
+    ]
 
 
 # ---------------------------------------------------------------- DSV4.1
+
 
 def _storage_bytes(view):
     import torch
 
     storage = view.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=view.device).set_(
-        storage, 0, (storage.nbytes(),), (1,))
+        storage, 0, (storage.nbytes(),), (1,)
+    )
 
 
 def read_records(cache, idx):
@@ -119,17 +129,30 @@ def read_records(cache, idx):
     row = idx % rows
     base = cache.storage_offset() + page * cache.stride(0)
     data = flat[(base + row * DATA_BYTES)[:, None] + torch.arange(DATA_BYTES, device=idx.device)]
-    footer = flat[(base + rows * DATA_BYTES + row * FOOTER_BYTES)[:, None]
-                  + torch.arange(SCALES, device=idx.device)]
+    footer = flat[
+        (base + rows * DATA_BYTES + row * FOOTER_BYTES)[:, None]
+        + torch.arange(SCALES, device=idx.device)
+    ]
     scale = torch.exp2(footer.float() - 127.0).repeat_interleave(64, dim=1)
     nope = data[:, :NOPE].contiguous().view(torch.float8_e4m3fn).float() * scale
     rope = data[:, NOPE:].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope, rope], dim=1), footer.ne(0).any(dim=1)
 
 
-def reference_sparse_mla(*, query, swa_kv_cache, sparse_indices, swa_topk_lens, out, bmm1_scale,
-                         sinks, compressed_kv_cache=None, extra_sparse_indices=None,
-                         extra_sparse_topk_lens=None, **_unused):
+def reference_sparse_mla(
+    *,
+    query,
+    swa_kv_cache,
+    sparse_indices,
+    swa_topk_lens,
+    out,
+    bmm1_scale,
+    sinks,
+    compressed_kv_cache=None,
+    extra_sparse_indices=None,
+    extra_sparse_topk_lens=None,
+    **_unused,
+):
     """The SM120 DSV4 sparse-MLA decode in PyTorch: one softmax over the SWA
     segment and the compressed segment with the attention sink in the
     denominator; writes ``out`` and returns the number of valid records read
@@ -144,7 +167,10 @@ def reference_sparse_mla(*, query, swa_kv_cache, sparse_indices, swa_topk_lens, 
     for cache, indices, lengths in segments:
         idx = indices.reshape(tokens, -1).long()
         width = idx.shape[1]
-        valid = torch.arange(width, device=idx.device)[None, :] < lengths.long().clamp(0, width)[:, None]
+        valid = (
+            torch.arange(width, device=idx.device)[None, :]
+            < lengths.long().clamp(0, width)[:, None]
+        )
         valid &= idx >= 0
         rows, written = read_records(cache, idx.clamp(min=0).reshape(-1))
         keys.append(rows.view(tokens, width, dim))
@@ -192,16 +218,21 @@ def instrument_dsv41(module) -> None:
         if kwargs["query"].is_cuda and torch.cuda.is_current_stream_capturing():
             emit({"probe": "dsv41", "skipped": "CUDA graph capture"})
             return result
-        record = {"probe": "dsv41", "tokens": int(kwargs["query"].shape[0]),
-                  "swa_page": _page_geometry(kwargs.get("swa_kv_cache")),
-                  "extra_page": _page_geometry(kwargs.get("compressed_kv_cache"))
-                  if kwargs.get("extra_sparse_indices") is not None else None}
+        record = {
+            "probe": "dsv41",
+            "tokens": int(kwargs["query"].shape[0]),
+            "swa_page": _page_geometry(kwargs.get("swa_kv_cache")),
+            "extra_page": _page_geometry(kwargs.get("compressed_kv_cache"))
+            if kwargs.get("extra_sparse_indices") is not None
+            else None,
+        }
         try:
             if kwargs.get("sparse_indices_are_storage_offsets"):
                 raise NotImplementedError("storage-offset indices (not the SM120 entry)")
             expected = torch.empty_like(kwargs["out"])
             record["records_read"], record["unwritten_read"] = reference_sparse_mla(
-                **{**kwargs, "out": expected})
+                **{**kwargs, "out": expected}
+            )
             record["rel_error"] = relative_error(kwargs["out"], expected)
         except Exception as exc:  # noqa: BLE001 - the probe reports, the test decides
             record["probe_error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -212,6 +243,7 @@ def instrument_dsv41(module) -> None:
 
 
 # ------------------------------------------------------------ installing
+
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``hooks[name](module)`` right after the module ``name`` executed."""
@@ -238,8 +270,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             try:
                 hook(module)
             except Exception as exc:  # noqa: BLE001 - never break vLLM's import
-                emit({"probe": "install", "module": name,
-                      "probe_error": f"{type(exc).__name__}: {exc}"})
+                emit(
+                    {
+                        "probe": "install",
+                        "module": name,
+                        "probe_error": f"{type(exc).__name__}: {exc}",
+                    }
+                )
 
         spec.loader.exec_module = exec_module
         return spec
