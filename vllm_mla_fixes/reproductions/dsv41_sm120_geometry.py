@@ -77,20 +77,44 @@ def attention_prefix(layer: int) -> str:
 # ------------------------------------------------------------------ the layers
 
 
-def make_vllm_config(block_size: int, num_gpu_blocks_override: int | None = None):
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """Settings of a serve line beyond ``--kv-cache-dtype fp8 --block-size``:
+    ``cache_options`` go to vLLM's ``CacheConfig`` (e.g. ``kv_offloading_size``),
+    ``sections`` to ``VllmConfig`` itself (e.g. ``parallel_config``), so that
+    ``VllmConfig``'s own post-init resolves them as ``vllm serve`` does.
+    ``attached`` sections are set after it: a speculative config whose draft
+    checkpoint was not read (its post-init sizes look-ahead from the draft)."""
+
+    cache_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sections: dict[str, Any] = dataclasses.field(default_factory=dict)
+    attached: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def make_vllm_config(
+    block_size: int,
+    num_gpu_blocks_override: int | None = None,
+    settings: EngineSettings | None = None,
+):
     """A real ``VllmConfig`` as an SM120 serve with ``--kv-cache-dtype fp8
-    --block-size B`` has it when the model's layers are built.  The hybrid KV
-    cache manager is on, as ``VllmConfig`` resolves it for this model."""
+    --block-size B`` has it when the model's layers are built, plus the
+    serve line's ``settings`` where given.  The hybrid KV cache manager is on,
+    as ``VllmConfig`` resolves it for this model."""
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
+    settings = settings or EngineSettings()
     config = VllmConfig(
         device_config=DeviceConfig(device="cuda"),
         cache_config=CacheConfig(
             block_size=block_size,
             cache_dtype="fp8",
             num_gpu_blocks_override=num_gpu_blocks_override,
+            **settings.cache_options,
         ),
+        **settings.sections,
     )
+    for name, value in settings.attached.items():
+        object.__setattr__(config, name, value)
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
 
@@ -198,9 +222,11 @@ def plan_geometry(
     model: dict | None = None,
     num_gpu_blocks_override: int | None = 8,
     available_memory: int = 1 << 30,
+    settings: EngineSettings | None = None,
 ) -> Geometry:
     """Layers -> specs -> layout -> groups -> KV-cache config -> attention groups
-    -> kernel block sizes, each step vLLM's own."""
+    -> kernel block sizes, each step vLLM's own (``settings``: the serve
+    line's engine settings, see :class:`EngineSettings`)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.attention.backends.utils import (
@@ -211,7 +237,7 @@ def plan_geometry(
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
-    vllm_config = make_vllm_config(block_size, num_gpu_blocks_override)
+    vllm_config = make_vllm_config(block_size, num_gpu_blocks_override, settings)
     layers = build_layers(vllm_config, DSV41_FLASH if model is None else model)
     specs = get_kv_cache_spec(vllm_config)
     backends = {
@@ -505,7 +531,12 @@ def _installed_vllm() -> str:
 # ------------------------------------------------------------------ capacity
 
 
-def capacity(block_size: int, max_model_len: int, memory: int = 1 << 30) -> dict[str, float]:
+def capacity(
+    block_size: int,
+    max_model_len: int,
+    memory: int = 1 << 30,
+    settings: EngineSettings | None = None,
+) -> dict[str, float]:
     """KV capacity of the geometry for ``--block-size``, as vLLM reports it at
     start-up ("GPU KV cache size: N tokens"): ``get_kv_cache_capacity`` on the
     KV-cache config the planner builds for ``memory`` bytes.
@@ -517,7 +548,9 @@ def capacity(block_size: int, max_model_len: int, memory: int = 1 << 30) -> dict
 
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
-    geometry = plan_geometry(block_size, num_gpu_blocks_override=None, available_memory=memory)
+    geometry = plan_geometry(
+        block_size, num_gpu_blocks_override=None, available_memory=memory, settings=settings
+    )
     config = geometry.vllm_config
     config.model_config = SimpleNamespace(max_model_len=max_model_len)
     tokens, concurrency = get_kv_cache_capacity(config, geometry.kv_cache_config)

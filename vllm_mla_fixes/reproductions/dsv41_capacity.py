@@ -1,0 +1,209 @@
+"""KV-cache capacity of DeepSeek-V4.1-Flash on SM12x: the fix's geometries against upstream.
+
+Every figure is vLLM's own: the layers of the dossier's 40-layer
+DeepSeek-V4.1-Flash layout (``dsv41_sm120_geometry.DSV41_FLASH``) go through the
+installed release's planner (``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups`` for 1 GiB per rank) and its start-up token
+figure (``get_kv_cache_capacity``: "GPU KV cache size: N tokens").  The fixed
+rows apply the fix as on an SM120 device; its spec producers then ask the
+fix's own ``geometry_decision`` with the engine config the row (or the serve
+line) builds, exactly as they do at start-up.  ``benchmarks/dsv41_kv_capacity.py``
+prints the table; ``doctor`` quotes the figures for an operator's serve line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+
+MAX_MODEL_LENS = (8192, 131072)
+UPSTREAM_BLOCK_SIZES = (128, 64)
+BASELINE_BLOCK_SIZE = 128
+DSPARK_OPTIONS = {"method": "dspark", "num_speculative_tokens": 3}
+"""The DSpark row's ``--speculative-config`` (the width does not enter the decision)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    label: str
+    max_model_len: int
+    groups: int
+    block_stride: int
+    num_blocks: int
+    tokens: int
+    concurrency: float
+    context_bytes_per_token: float
+    geometry: str  # "upstream", or the geometry the fix chose
+    reason: str  # why that geometry
+
+    def versus(self, baseline: Row) -> float:
+        return self.tokens / baseline.tokens
+
+
+def speculative_config_as_written(options: dict[str, Any]) -> Any:
+    """vLLM's ``SpeculativeConfig`` holding ``options`` as a serve line writes them.
+
+    Its validation resolves the draft from the target model's checkpoint
+    (DSpark: the stages shipped inside it), which is not on the machine where
+    operators write serve lines, so the object is created without it: every
+    field takes its declared default, then the line's values.  The geometry
+    decision reads only which method is configured."""
+    from vllm.config import SpeculativeConfig
+
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(SpeculativeConfig)})
+    if unknown:
+        raise ValueError(f"--speculative-config has no field(s) {unknown}")
+    config = object.__new__(SpeculativeConfig)
+    for field in dataclasses.fields(SpeculativeConfig):
+        if field.name in options:
+            value = options[field.name]
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        else:
+            value = None
+        object.__setattr__(config, field.name, value)
+    return config
+
+
+@contextlib.contextmanager
+def fixed_on_sm120() -> Iterator[None]:
+    """The fix applied as on an SM120 device, reverted afterwards."""
+    with repro.applied((12, 0)) as result:
+        if result.status.state.value != "applied":
+            raise RuntimeError(f"the fix did not apply: {result.status.label()}")
+        yield
+
+
+@contextlib.contextmanager
+def forced_geometry(name: str | None) -> Iterator[None]:
+    """``VLLM_MLA_FIXES_DSV41_GEOMETRY=name`` for the duration (None: unset)."""
+    saved = os.environ.pop(fix.GEOMETRY_ENV, None)
+    if name is not None:
+        os.environ[fix.GEOMETRY_ENV] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(fix.GEOMETRY_ENV, None)
+        if saved is not None:
+            os.environ[fix.GEOMETRY_ENV] = saved
+
+
+def context_bytes_per_token(geometry: repro.Geometry) -> float:
+    """Bytes a long request pays per context token in the groups that grow
+    with it (all but the sliding-window and ring groups): each block of the
+    shared pool costs the pool's block stride, whichever group holds it."""
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    stride = geometry.kv_cache_config.kv_cache_tensors[0].block_stride
+    total = 0.0
+    for group in geometry.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        first = spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+        if not isinstance(first, (SlidingWindowSpec, CircularBufferSpec)):
+            total += stride / spec.block_size
+    return total
+
+
+def measure(
+    label: str,
+    block_size: int,
+    max_model_lens: tuple[int, ...],
+    settings: repro.EngineSettings | None = None,
+    fixed: bool = True,
+) -> list[Row]:
+    """Rows for one geometry: upstream (``fixed=False``), or the fix applied as
+    on SM120, whose own decision picks the geometry for ``settings``."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    with fixed_on_sm120() if fixed else contextlib.nullcontext():
+        plan = repro.plan_geometry(block_size, num_gpu_blocks_override=None, settings=settings)
+        if fixed:
+            geometry, reason = fix.geometry_decision(plan.vllm_config)
+        else:
+            geometry, reason = "upstream", f"vLLM's own layout for --block-size {block_size}"
+        per_token = context_bytes_per_token(plan)
+        kv_config = plan.kv_cache_config
+        rows = []
+        for max_model_len in max_model_lens:
+            # What the capacity figure reads of the model config (a real
+            # ModelConfig inspects the model class in a subprocess).
+            plan.vllm_config.model_config = SimpleNamespace(max_model_len=max_model_len)
+            tokens, concurrency = get_kv_cache_capacity(plan.vllm_config, kv_config)
+            rows.append(
+                Row(
+                    label=label,
+                    max_model_len=max_model_len,
+                    groups=len(kv_config.kv_cache_groups),
+                    block_stride=int(kv_config.kv_cache_tensors[0].block_stride),
+                    num_blocks=int(kv_config.num_blocks),
+                    tokens=int(tokens),
+                    concurrency=float(concurrency),
+                    context_bytes_per_token=per_token,
+                    geometry=geometry,
+                    reason=reason,
+                )
+            )
+    return rows
+
+
+def upstream_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row]:
+    return [
+        row
+        for block_size in UPSTREAM_BLOCK_SIZES
+        for row in measure(
+            f"upstream --block-size {block_size} (SWA 32)",
+            block_size,
+            max_model_lens,
+            fixed=False,
+        )
+    ]
+
+
+def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row]:
+    """Upstream at --block-size 128 and 64, the fix's default and fallback,
+    and the fix's choice for a DSpark serve line."""
+    rows = upstream_rows(max_model_lens)
+    with forced_geometry(None):
+        rows += measure(
+            "fixed, default: interleaved split (128-token blocks, ratio-1 64-state kernel "
+            "pages interleaved, SWA 64)",
+            BASELINE_BLOCK_SIZE,
+            max_model_lens,
+        )
+    with forced_geometry(fix.PER_RATIO):
+        rows += measure(
+            "fixed, fallback: per-ratio (ratio-1 64, ratio-2 128, SWA 64)",
+            BASELINE_BLOCK_SIZE,
+            max_model_lens,
+        )
+    with forced_geometry(None):
+        dspark = repro.EngineSettings(
+            attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)}
+        )
+        rows += measure(
+            "fixed, default with DSpark (--speculative-config "
+            f'\'{{"method": "dspark", "num_speculative_tokens": '
+            f"{DSPARK_OPTIONS['num_speculative_tokens']}}}')",
+            BASELINE_BLOCK_SIZE,
+            max_model_lens,
+            settings=dspark,
+        )
+    return rows
+
+
+def baseline(rows: list[Row], max_model_len: int, block_size: int = BASELINE_BLOCK_SIZE) -> Row:
+    prefix = f"upstream --block-size {block_size} "
+    return next(r for r in rows if r.label.startswith(prefix) and r.max_model_len == max_model_len)
