@@ -1,0 +1,230 @@
+"""What a DeepSeek-V4.1 serve line gets on SM12x, predicted where no GPU is visible.
+
+``doctor`` runs this module in its own interpreter (it applies the fix, and
+prints one JSON document as its last line of output)::
+
+    python -m vllm_mla_fixes.reproductions.dsv41_prediction [--model-config JSON] -- <serve args>
+
+and reads the one JSON document it prints.  The steps are the installed
+vLLM's own, then the fix's own:
+
+1. the serve line is parsed by ``vllm serve``'s parser (``ServeSubcommand``)
+   and turned into ``AsyncEngineArgs`` by ``from_cli_args`` (see
+   :func:`cuda_device_type_while_parsing` for a machine without a GPU);
+2. the engine settings the geometry depends on go into a real ``VllmConfig``,
+   whose post-init resolves them as at start-up (``--kv-offloading-size``
+   becomes an offloading connector; ``--kv-offloading-backend`` alone enables
+   nothing);
+3. the fix, applied as on an SM120 device, plans the DeepSeek-V4.1-Flash
+   layout through vLLM's planner; its spec producers and its
+   ``geometry_decision`` decide the geometry from that config, as the plugin
+   does at start-up, and the capacity figures are vLLM's;
+4. the shape each rank hands FlashInfer is checked against the installed
+   FlashInfer's ``flashinfer.mla.supported_sparse_mla_sm120_configs()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+# DeepSeek-V4.1-Flash's attention figures, used when the model's config.json
+# is not on this machine (third-party copies of it; the dossier's layout).
+FLASH_HEADS = 64
+FLASH_INDEX_TOPK = 512
+FLASH_WINDOW = 128
+
+# Per-rank shapes users reported with no SM120 sparse-MLA kernel: (heads, top-k) -> reports.
+REPORTED_SHAPES = {
+    (16, 512): "flashinfer#5135 (DeepSeek-V4 at TP4: prefill kernel not instantiated; open)",
+    (64, 1152): "vllm#56837 (DeepSeek-V4.1-Flash at TP1 on FlashInfer 0.6.18.post1: "
+    "'SM120 sparse-MLA has no decode kernel for this shape')",
+}
+RUNTIME_ENVELOPE_RELEASE = "0.7.0.post1"
+"""Oldest FlashInfer in this project's locks (vLLM 0.32.0's); its DSV4 decode
+envelope takes any head count up to 128 and any top-k.  FlashInfer 0.6.18
+(main as of 2026-08-22) instantiated fixed (heads, top-k) pairs, top-k in
+{128, 192, 256, 512, 1024}; flashinfer#4802 replaced them with runtime envelopes."""
+
+
+@contextlib.contextmanager
+def cuda_device_type_while_parsing() -> Iterator[str]:
+    """Where no GPU is visible, vLLM's platform is unspecified and its parser
+    cannot build its default device config ("Failed to infer device type").
+    The line is meant for a CUDA node: the platform reports device type
+    ``cuda`` while the line is parsed, and nothing else about it changes."""
+    import vllm.platforms as platforms
+
+    current = platforms.current_platform
+    if not current.is_unspecified():
+        yield f"platform {type(current).__name__}"
+        return
+    current.device_type = "cuda"  # instance attribute over the class's ""
+    try:
+        yield f"no GPU visible: {type(current).__name__} reported device type cuda while parsing"
+    finally:
+        del current.device_type
+
+
+def engine_args(serve_argv: list[str]) -> Any:
+    """``AsyncEngineArgs`` from ``vllm serve``'s own parser."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = list(serve_argv)
+    if argv[:1] == ["vllm"]:
+        argv = argv[1:]
+    if argv[:1] != ["serve"]:
+        argv = ["serve", *argv]
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):  # `vllm serve MODEL` means --model MODEL
+        args.model = args.model_tag
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+def engine_settings(args: Any):
+    """The geometry-relevant parts of the engine config, as vLLM config objects."""
+    from vllm.config import CacheConfig, ParallelConfig
+
+    from vllm_mla_fixes.reproductions.dsv41_capacity import speculative_config_as_written
+    from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import EngineSettings
+
+    cache_fields = {f for f in CacheConfig.__dataclass_fields__}
+    cache_options = {
+        name: getattr(args, name)
+        for name in ("kv_offloading_size", "kv_offloading_backend")
+        if name in cache_fields and getattr(args, name, None) is not None
+    }
+    parallel_fields = ParallelConfig.__dataclass_fields__
+    sections: dict[str, Any] = {
+        "parallel_config": ParallelConfig(
+            **{
+                name: getattr(args, name)
+                for name in (
+                    "tensor_parallel_size",
+                    "decode_context_parallel_size",
+                    "prefill_context_parallel_size",
+                )
+                if name in parallel_fields and hasattr(args, name)
+            }
+        ),
+        "attention_config": args.attention_config,
+    }
+    if args.kv_transfer_config is not None:
+        sections["kv_transfer_config"] = args.kv_transfer_config
+    attached = {}
+    if args.speculative_config is not None:
+        attached["speculative_config"] = speculative_config_as_written(
+            {k.replace("-", "_"): v for k, v in args.speculative_config.items()}
+        )
+    return EngineSettings(cache_options=cache_options, sections=sections, attached=attached)
+
+
+def flashinfer_shapes(heads_per_rank: int, window: int, index_topk: int) -> list[dict]:
+    """Each per-rank call shape against the installed FlashInfer's SM120 decode envelope."""
+    import flashinfer
+    from flashinfer import mla
+
+    version = str(flashinfer.__version__)
+    lookup = getattr(mla, "supported_sparse_mla_sm120_configs", None)
+    if lookup is None:
+        return [{"flashinfer": version, "error": "no supported_sparse_mla_sm120_configs()"}]
+    config = lookup()["dsv4"]
+    extra_pages = sorted(config.extra_page_block_sizes)
+    shapes = []
+    for topk, role, extra in (
+        (window, "sliding-window pages, the primary cache", False),
+        (index_topk, "compressed pages, the extra cache", True),
+    ):
+        decode = config.supports_decode(
+            heads_per_rank, topk, num_tokens=1, page_block_size=64
+        ) and (not extra or not extra_pages or 64 in extra_pages)
+        shapes.append(
+            {
+                "flashinfer": version,
+                "heads": heads_per_rank,
+                "topk": topk,
+                "page": 64,
+                "extra_page": 64 if extra else None,
+                "extra_pages_listed": extra_pages,
+                "role": role,
+                "decode_kernel": decode,
+                "reported": REPORTED_SHAPES.get((heads_per_rank, topk)),
+            }
+        )
+    return shapes
+
+
+def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
+    import vllm
+
+    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
+    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+
+    with cuda_device_type_while_parsing() as platform:
+        args = engine_args(serve_argv)
+    settings = engine_settings(args)
+    block_size = args.block_size or capacity.BASELINE_BLOCK_SIZE
+    lens = (args.max_model_len,) if args.max_model_len else capacity.MAX_MODEL_LENS
+    resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
+    fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
+    upstream = capacity.upstream_rows(lens)
+    text = (model_config or {}).get("text_config", model_config or {})
+    heads = int(text.get("num_attention_heads", FLASH_HEADS))
+    tp = int(args.tensor_parallel_size or 1)
+    return {
+        "vllm": str(vllm.__version__),
+        "platform": platform,
+        "settings": {
+            "block_size": args.block_size,
+            "tensor_parallel_size": tp,
+            "speculative_method": (args.speculative_config or {}).get("method"),
+            "kv_offloading_size": args.kv_offloading_size,
+            "kv_offloading_backend": args.kv_offloading_backend,
+            # what VllmConfig resolved: offloading becomes a connector only with a size
+            "kv_connector": resolved.kv_connector if resolved is not None else None,
+        },
+        "geometry": fixed[0].geometry,
+        "reason": fixed[0].reason,
+        "capacity": [
+            {
+                "max_model_len": row.max_model_len,
+                "tokens_per_gib": row.tokens,
+                "upstream_128": capacity.baseline(upstream, row.max_model_len, 128).tokens,
+                "upstream_64": capacity.baseline(upstream, row.max_model_len, 64).tokens,
+            }
+            for row in fixed
+        ],
+        "model_figures": "from config.json"
+        if text
+        else "DeepSeek-V4.1-Flash's (config.json not found here)",
+        "shapes": flashinfer_shapes(
+            heads // tp,
+            int(text.get("sliding_window", FLASH_WINDOW)),
+            int(text.get("index_topk", FLASH_INDEX_TOPK)),
+        )
+        if heads % tp == 0
+        else [{"error": f"{heads} attention heads do not split over TP {tp}"}],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-config", default="", help="the model's config.json, as JSON")
+    parser.add_argument("serve", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    serve = options.serve[1:] if options.serve[:1] == ["--"] else options.serve
+    model_config = json.loads(options.model_config) if options.model_config else None
+    print(json.dumps(predict(serve, model_config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
