@@ -1141,17 +1141,7 @@ def diagnose(env, serve) -> list:
                 "pages while ratio-1 layers get 128",
             )
         )
-    if fixed:
-        geometry, why = geometry_decision(_engine_settings(serve))
-        findings.append(
-            Finding(
-                "info",
-                name,
-                f"with the fix, --block-size no longer decides these pages on "
-                f"SM12x; this line gets the {geometry} geometry ({why}); see the README "
-                "for the KV capacity of each geometry",
-            )
-        )
+    findings += predicted_geometry(serve)
     findings.append(
         Finding(
             "info",
@@ -1182,23 +1172,154 @@ INDEXER_FP8_FLAG = '--attention-config \'{"indexer_kv_dtype": "fp8"}\''
 MOE_MARLIN_FLAG = "--moe-backend marlin"
 
 
-def _engine_settings(serve) -> Any:
-    """The settings of a serve line that :func:`geometry_decision` reads, shaped
-    like a ``VllmConfig`` (unset ones absent)."""
-    import types
+PREDICTION_MODULE = "vllm_mla_fixes.reproductions.dsv41_prediction"
+PREDICTION_TIMEOUT_S = 900
 
-    def present(value: bool) -> Any:
-        return object() if value else None
 
-    return types.SimpleNamespace(
-        speculative_config=present(serve.speculative),
-        kv_transfer_config=present(serve.kv_connector),
-        cache_config=types.SimpleNamespace(kv_offloading_size=1 if serve.kv_offloading else None),
-        parallel_config=types.SimpleNamespace(
-            decode_context_parallel_size=serve.decode_context_parallel_size,
-            prefill_context_parallel_size=serve.prefill_context_parallel_size,
-        ),
-        attention_config=types.SimpleNamespace(
-            hisparse_config=serve.attention_config.get("hisparse_config")
-        ),
+def predicted_geometry(serve) -> list:
+    """doctor's findings on what ``serve`` gets on SM12x, from a fresh
+    interpreter that runs the fix's own decision on the engine config vLLM's
+    parser builds from the line (works where no GPU is visible)."""
+    import json
+    import subprocess
+
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    command = [sys.executable, "-m", PREDICTION_MODULE]
+    if serve.model_config:
+        command += ["--model-config", json.dumps(serve.model_config)]
+    # Planning only: the GPU is not needed, and is not touched.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        done = subprocess.run(
+            [*command, "--", *serve.raw],
+            capture_output=True,
+            text=True,
+            timeout=PREDICTION_TIMEOUT_S,
+            env=env,
+        )
+        lines = done.stdout.strip().splitlines()
+        prediction = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        done, prediction = None, None
+        failure = f"{type(exc).__name__}: {exc}"
+    if prediction is None:
+        if done is not None:
+            tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            failure = tail[-1] if tail else f"exit status {done.returncode}"
+        return [
+            Finding(
+                "warn",
+                name,
+                f"could not predict this line's KV geometry on SM12x ({failure})",
+                f"run `python -m {PREDICTION_MODULE} -- <serve args>` to see the full error",
+            )
+        ]
+    return _prediction_findings(prediction)
+
+
+def _prediction_findings(prediction: dict) -> list:
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    settings = prediction["settings"]
+    findings = [
+        Finding(
+            "info",
+            name,
+            f"on SM12x this line gets the {prediction['geometry']} geometry: "
+            f"{prediction['reason']} (the fix's own geometry_decision, on the engine config "
+            f"vLLM {prediction['vllm']}'s `vllm serve` parser builds from this line; "
+            f"{prediction['platform']}); --block-size does not decide these pages on SM12x",
+        )
+    ]
+    figures = "; ".join(
+        f"max_model_len {c['max_model_len']}: {c['tokens_per_gib']:,} tokens = "
+        f"{c['tokens_per_gib'] / c['upstream_128']:.3f}x upstream --block-size 128 "
+        f"({c['upstream_128']:,}) and {c['tokens_per_gib'] / c['upstream_64']:.3f}x "
+        f"--block-size 64 ({c['upstream_64']:,})"
+        for c in prediction["capacity"]
     )
+    findings.append(
+        Finding(
+            "info",
+            name,
+            f"KV capacity of that geometry per GiB per rank (vLLM's planner, DeepSeek-V4.1-Flash "
+            f"layout): {figures}",
+        )
+    )
+    if settings["kv_offloading_backend"] and settings["kv_offloading_size"] is None:
+        findings.append(
+            Finding(
+                "info",
+                name,
+                f"--kv-offloading-backend {settings['kv_offloading_backend']} without "
+                f"--kv-offloading-size enables nothing in vLLM {prediction['vllm']} "
+                "(offloading starts only with a size), so it is not offloading here",
+            )
+        )
+    findings += _shape_findings(prediction)
+    return findings
+
+
+def _shape_findings(prediction: dict) -> list:
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    tp = prediction["settings"]["tensor_parallel_size"]
+    shapes = prediction["shapes"]
+    broken = [shape.get("error") for shape in shapes if "error" in shape]
+    if broken:
+        return [Finding("warn", name, f"per-rank FlashInfer shape not checked: {broken[0]}")]
+
+    def described(shape: dict) -> str:
+        extra = f", extra page {shape['extra_page']}" if shape["extra_page"] else ""
+        return (
+            f"{shape['heads']} heads (TP {tp}), top-k {shape['topk']}, page {shape['page']}"
+            f"{extra} ({shape['role']})"
+        )
+
+    version = shapes[0]["flashinfer"]
+    findings = []
+    missing = [shape for shape in shapes if not shape["decode_kernel"]]
+    for shape in missing:
+        reported = f"; reported in {shape['reported']}" if shape["reported"] else ""
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"FlashInfer {version} has no SM120 sparse-MLA decode kernel for this rank's "
+                f"shape: {described(shape)} (flashinfer.mla.supported_sparse_mla_sm120_configs())"
+                f"{reported}",
+                f"use FlashInfer {RUNTIME_ENVELOPE_FLASHINFER} or newer (its DSV4 decode envelope "
+                "takes any head count up to 128 and any top-k), or another --tensor-parallel-size",
+            )
+        )
+    accepted = [shape for shape in shapes if shape["decode_kernel"]]
+    if accepted:
+        reports = [f"{described(s)}: {s['reported']}" for s in accepted if s["reported"]]
+        findings.append(
+            Finding(
+                "ok",
+                name,
+                f"FlashInfer {version}'s SM120 decode envelope takes this rank's shapes: "
+                + "; ".join(described(shape) for shape in accepted)
+                + (
+                    f" (a shape users hit on older FlashInfer: {'; '.join(reports)})"
+                    if reports
+                    else ""
+                )
+                + "; supported_sparse_mla_sm120_configs() describes decode kernels only, so "
+                "prefill is not checked here",
+            )
+        )
+    return findings
+
+
+RUNTIME_ENVELOPE_FLASHINFER = "0.7.0.post1"
+"""Oldest FlashInfer in this project's locks (vLLM 0.32.0's): its DSV4 decode
+envelope takes any head count up to 128 and any top-k.  FlashInfer 0.6.18
+(main as of 2026-08-22) instantiated fixed (heads, top-k) pairs with top-k in
+{128, 192, 256, 512, 1024}: 64 heads with top-k 1152 (vllm#56837) had neither
+a decode nor a prefill kernel there."""

@@ -44,11 +44,6 @@ REPORTED_SHAPES = {
     (64, 1152): "vllm#56837 (DeepSeek-V4.1-Flash at TP1 on FlashInfer 0.6.18.post1: "
     "'SM120 sparse-MLA has no decode kernel for this shape')",
 }
-RUNTIME_ENVELOPE_RELEASE = "0.7.0.post1"
-"""Oldest FlashInfer in this project's locks (vLLM 0.32.0's); its DSV4 decode
-envelope takes any head count up to 128 and any top-k.  FlashInfer 0.6.18
-(main as of 2026-08-22) instantiated fixed (heads, top-k) pairs, top-k in
-{128, 192, 256, 512, 1024}; flashinfer#4802 replaced them with runtime envelopes."""
 
 
 @contextlib.contextmanager
