@@ -351,32 +351,25 @@ def test_every_pip_remedy_is_one_of_the_checked_ones():
 
 @pytest.mark.vllm_release("0.32.0", "0.33.0")
 def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
-    from vllm_mla_fixes import doctor as doctor_module
+    """doctor's geometry finding is the fix's own decision on the line's engine
+    config (``diagnose`` runs the prediction in a fresh interpreter; here in-process)."""
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
-    from vllm_mla_fixes.report import Environment
+    from vllm_mla_fixes.reproductions import dsv41_prediction
 
-    env = Environment(
-        packages={"vllm": "0.32.0"},
-        gpu="RTX PRO 6000",
-        capability=(12, 0),
-        torch_cuda="13.0",
-        vllm_plugins=None,
-        mla_fixes=None,
-        fix_states={dsv41.INFO.name: {"state": "applied", "reason": "vLLM 0.32.0"}},
-    )
     model = str(ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41")
 
     def geometry_line(*flags: str) -> str:
-        serve = doctor_module.parse_serve_args(["serve", model, *flags])
-        (line,) = [f.message for f in dsv41.diagnose(env, serve) if "geometry" in f.message]
+        predicted = dsv41_prediction.predict(["serve", model, *flags])
+        (line,) = [
+            f.message for f in dsv41._prediction_findings(predicted) if "geometry:" in f.message
+        ]
         return line
 
-    assert f"the {dsv41.SPLIT} geometry" in geometry_line("--block-size", "64")
-    assert f"the {dsv41.PER_RATIO} geometry (speculative decoding" in geometry_line(
-        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'
+    assert f"gets the {dsv41.SPLIT} geometry: default on SM12x" in geometry_line(
+        "--block-size", "64"
     )
-    assert f"the {dsv41.PER_RATIO} geometry (decode_context_parallel_size is 2" in geometry_line(
-        "-dcp", "2"
+    assert f"gets the {dsv41.PER_RATIO} geometry: decode_context_parallel_size is 2" in (
+        geometry_line("-dcp", "2")
     )
 
 

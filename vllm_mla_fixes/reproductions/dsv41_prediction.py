@@ -182,7 +182,10 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             "tensor_parallel_size": tp,
             "speculative_method": (args.speculative_config or {}).get("method"),
             "kv_offloading_size": args.kv_offloading_size,
-            "kv_offloading_backend": args.kv_offloading_backend,
+            # the backend has a default: report it only where the line sets it
+            "kv_offloading_backend": args.kv_offloading_backend
+            if any(a.split("=")[0] == "--kv-offloading-backend" for a in serve_argv)
+            else None,
             # what VllmConfig resolved: offloading becomes a connector only with a size
             "kv_connector": resolved.kv_connector if resolved is not None else None,
         },
