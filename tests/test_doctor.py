@@ -369,8 +369,11 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
         "--block-size", "64"
     )
     assert f"gets the {dsv41.PER_RATIO} geometry: decode_context_parallel_size is 2" in (
-        geometry_line("-dcp", "2")
+        geometry_line("-tp", "2", "-dcp", "2")
     )
+    # vLLM's own validation speaks for a line it would refuse
+    with pytest.raises(ValueError, match="tp_size=1 must be divisible by dcp_size=2"):
+        dsv41_prediction.predict(["serve", model, "-dcp", "2"])
 
 
 def test_each_fix_diagnoses_itself_and_doctor_names_no_fix():

@@ -1200,10 +1200,19 @@ def predicted_geometry(serve) -> list:
             env=env,
         )
         lines = done.stdout.strip().splitlines()
-        prediction = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+        prediction = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
         done, prediction = None, None
         failure = f"{type(exc).__name__}: {exc}"
+    if prediction is not None and "error" in prediction:
+        return [
+            Finding(
+                "error",
+                name,
+                f"vLLM rejects this serve line: {prediction['error']}",
+                "correct the line; `vllm serve` would stop with the same error",
+            )
+        ]
     if prediction is None:
         if done is not None:
             tail = [line for line in done.stderr.strip().splitlines() if line.strip()]

@@ -220,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     serve = options.serve[1:] if options.serve[:1] == ["--"] else options.serve
     model_config = json.loads(options.model_config) if options.model_config else None
-    print(json.dumps(predict(serve, model_config)))
+    try:
+        print(json.dumps(predict(serve, model_config)))
+    except (ValueError, SystemExit) as exc:  # vLLM rejects the line (argparse exits)
+        first = str(exc).strip().splitlines()
+        print(json.dumps({"error": f"{type(exc).__name__}: {' '.join(first[:2])}"}))
+        return 1
     return 0
 
 
