@@ -141,3 +141,9 @@ def test_doctor_command_on_the_report_line_with_dspark_without_a_gpu():
     geometry, reason = _decision_for([*REPORT_LINE, *DSPARK])
     assert any(f"gets the {geometry} geometry: {reason}" in m for m in messages), messages
     assert any("upstream --block-size 128" in m and "--block-size 64" in m for m in messages)
+    # 0.34.0 starts --block-size 64 (it fails 128): not "No common block size"
+    assert any(m.startswith("--block-size 64 starts on vLLM 0.34") for m in messages)
+    assert not any("No common block size" in m for m in messages)
+    # doctor's quote of 0.34.0's --block-size 128 error is the text vLLM raises
+    # (tests/test_dsv41_release_0_34.py asserts repro.SPLIT_ERROR on the real code)
+    assert fix.SPLIT_ERROR_0_34.removeprefix("ValueError: ") in repro.SPLIT_ERROR

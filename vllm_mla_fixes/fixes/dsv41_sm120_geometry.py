@@ -1127,7 +1127,23 @@ def diagnose(env, serve) -> list:
         )
     block = serve.block_size
     fixed = env.fix_state(name) == "applied"
-    if block == 64 and not fixed:
+    if (major_minor(vllm_version) or (0,)) >= (0, 34):
+        # 0.34.0 declares 64-token kernel blocks on SM12x, which moves the failure.
+        if block == 128 and not fixed:
+            findings.append(
+                Finding("warn", name, f"--block-size 128 fails at start-up: {SPLIT_ERROR_0_34}")
+            )
+        elif block == 64 and not fixed:
+            findings.append(
+                Finding(
+                    "warn",
+                    name,
+                    "--block-size 64 starts on vLLM 0.34, but hands the indexer 32-state ratio-2 "
+                    "pages (SM120's paged-MQA logits take 64) and FlashInfer 32-token "
+                    "sliding-window pages",
+                )
+            )
+    elif block == 64 and not fixed:
         findings.append(Finding("warn", name, f"--block-size 64 fails at start-up: {INFO.error}"))
     elif block in (None, 128) and not fixed:
         findings.append(
@@ -1164,6 +1180,10 @@ def diagnose(env, serve) -> list:
     return findings
 
 
+SPLIT_ERROR_0_34 = (
+    "ValueError: FLASHINFER_MLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed "
+    "128-token KV cache blocks cannot be split into."
+)
 # Commands doctor suggests; tests run both (tests/test_selftest.py, tests/test_smoke.py).
 SELFTEST_COMMAND = "vllm-mla-fixes selftest"
 SMOKE_COMMAND = "vllm-mla-fixes smoke http://<host>:<port>"
