@@ -368,12 +368,15 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     assert f"gets the {dsv41.SPLIT} geometry: default on SM12x" in geometry_line(
         "--block-size", "64"
     )
-    assert f"gets the {dsv41.PER_RATIO} geometry: decode_context_parallel_size is 2" in (
-        geometry_line("-tp", "2", "-dcp", "2")
+    assert f"gets the {dsv41.PER_RATIO} geometry: a KV connector is configured" in (
+        geometry_line("--kv-offloading-size", "4")
     )
-    # vLLM's own validation speaks for a line it would refuse
+    # vLLM's own checks speak for a line it would refuse: its config, and its
+    # planner (DeepSeek-V4.1's sliding-window caches cannot take DCP)
     with pytest.raises(ValueError, match="tp_size=1 must be divisible by dcp_size=2"):
         dsv41_prediction.predict(["serve", model, "-dcp", "2"])
+    with pytest.raises(AssertionError, match="DCP not support sliding window"):
+        dsv41_prediction.predict(["serve", model, "-tp", "2", "-dcp", "2"])
 
 
 def test_each_fix_diagnoses_itself_and_doctor_names_no_fix():

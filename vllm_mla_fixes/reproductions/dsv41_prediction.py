@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     model_config = json.loads(options.model_config) if options.model_config else None
     try:
         print(json.dumps(predict(serve, model_config)))
-    except (ValueError, SystemExit) as exc:  # vLLM rejects the line (argparse exits)
+    # vLLM rejects the line: its parser exits, its configs raise ValueError, its
+    # planner asserts (e.g. "DCP not support sliding window.")
+    except (ValueError, AssertionError, SystemExit) as exc:
         first = str(exc).strip().splitlines()
         print(json.dumps({"error": f"{type(exc).__name__}: {' '.join(first[:2])}"}))
         return 1
