@@ -682,3 +682,78 @@ def test_cuda_toolkit_env_points_at_the_locked_nvcc(tmp_path):
     assert (home / "include" / "cuda_runtime.h").exists()
     assert (tmp_path / "links" / "libcudart.so").resolve().exists()
     assert f"-L{tmp_path / 'links'}" in env["FLASHINFER_EXTRA_LDFLAGS"]
+
+
+# ------------------------------------------------------ processes, memory
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its (re)parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+_SPAWN_GRANDCHILD = (
+    "import subprocess, sys, time; "
+    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "print(p.pid, flush=True); time.sleep({hang})"
+)
+
+
+@pytest.mark.vllm_release("0.34.0")  # no vLLM involved: one session is enough (about 5 s)
+def test_timeout_stops_the_whole_process_group():
+    """A hung GPU case (its EngineCore a grandchild) leaves nothing behind."""
+    from gpu.serving import run_in_own_session
+
+    code = _SPAWN_GRANDCHILD.format(hang=600)
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        run_in_own_session([sys.executable, "-c", code], _cpu_env(), timeout=3)
+    grandchild = int(timed_out.value.output.split()[0])
+    assert not _running(grandchild)
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_exited_leader_leaves_no_orphan_in_its_group():
+    from gpu.serving import run_in_own_session
+
+    code = _SPAWN_GRANDCHILD.format(hang=0)
+    done = run_in_own_session([sys.executable, "-c", code], _cpu_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not _running(int(done.stdout.split()[0]))
+
+
+def test_too_little_free_gpu_memory_names_the_holders():
+    from gpu.serving import memory_problem, parse_gpu_memory
+
+    busy = parse_gpu_memory("20480, 143771\n", "4242, python3, 120000\n")
+    assert busy == {"free_gib": 20.0, "total_gib": 140.4, "holders": ["4242, python3, 120000"]}
+    problem = memory_problem(busy, 0.5)
+    assert "only 20.0 GiB of GPU memory free of 140.4 GiB" in problem
+    assert "4242, python3, 120000" in problem and "kill <pid>" in problem
+    assert memory_problem(parse_gpu_memory("143000, 143771", ""), 0.5) is None
+    assert memory_problem(None, 0.5) is None  # no nvidia-smi: nothing to check
+
+
+def test_gpu_session_without_a_gpu_or_a_declaration_refuses_to_run():
+    """``preflight.py --declared`` is what the gpu-<release> nox sessions run first."""
+    script = str(GPU_TESTS / "preflight.py")
+    refused = subprocess.run(
+        [sys.executable, script, "--declared"],
+        env=_cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "refusing to run the GPU tests" in refused.stderr
+    declared = subprocess.run(
+        [sys.executable, script, "--declared"],
+        env=_cpu_env(VLLM_MLA_FIXES_EXPECT_GPU_CC="12"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert declared.returncode == 0 and declared.stdout.strip() == "12", declared.stderr

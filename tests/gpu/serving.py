@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -136,26 +137,25 @@ def run_in_own_session(
     cmd: list[str], env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, but
-    the child leads its own process group, which is stopped on exit and on
-    timeout (then ``TimeoutExpired`` is raised, as ``subprocess.run`` does)."""
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop_process_group(proc, grace=10)
-        stdout, stderr = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
-    finally:
-        if proc.returncode is not None:
+    the child leads its own process group, which is stopped when the child
+    exits and on timeout (then ``TimeoutExpired`` is raised, as
+    ``subprocess.run`` does).  Output goes through files, not pipes: a
+    grandchild that inherited them cannot keep the call waiting."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
             stop_process_group(proc, grace=10)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+            out.seek(0)
+            err.seek(0)
+            raise subprocess.TimeoutExpired(
+                cmd, timeout, output=out.read(), stderr=err.read()
+            ) from None
+        stop_process_group(proc, grace=10)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
 GIB = 2**30
