@@ -757,3 +757,72 @@ def test_gpu_session_without_a_gpu_or_a_declaration_refuses_to_run():
         timeout=120,
     )
     assert declared.returncode == 0 and declared.stdout.strip() == "12", declared.stderr
+
+
+# ----------------------------------------------------------- serve lines
+
+
+@pytest.fixture(scope="module")
+def serve_lines():
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(GPU_TESTS / "serve_lines.py")],
+        env=_cpu_env(VLLM_PLUGINS=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-6000:]
+    return json.loads(line[len("RESULT=") :])
+
+
+def _built(seen: dict) -> None:
+    assert "engine_config_error" not in seen, seen["engine_config_error"]
+
+
+@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+def test_dsv41_gpu_serve_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
+    """Every DeepSeek-V4.1 GPU test line: the report's flags reach the engine arguments
+    as the test means them, and the release builds its VllmConfig from them (CPU platform)."""
+    lines = serve_lines["serve"]
+    assert sorted(lines) == sorted(f"dsv41 bs{b}{e}" for b in (64, 128) for e in ("", " eager")), (
+        lines
+    )
+    for name, seen in lines.items():
+        _built(seen)
+        assert seen["engine_config"]["architectures"] == ["DeepseekV41ForCausalLM"], name
+        assert seen["attention_backend"].endswith("FLASHINFER_MLA_SPARSE_DSV41"), seen
+        assert seen["block_size"] == int(name.split()[1][2:]), seen
+        assert (seen["kv_cache_dtype"], seen["indexer_kv_dtype"]) == ("fp8", "fp8"), seen
+        assert seen["enforce_eager"] == name.endswith("eager"), seen
+        assert seen["load_format"] == "dummy", seen
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_fp8_and_fa4_gpu_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
+    serve, bench, llm = serve_lines["serve"], serve_lines["bench"], serve_lines["llm"]
+    for name in ("fp8 (cuda graphs)", "fp8 --enforce-eager"):
+        _built(serve[name])
+        assert serve[name]["engine_config"]["architectures"] == ["GlmMoeDsaForCausalLM"]
+        assert (serve[name]["attention_backend"], serve[name]["kv_cache_dtype"]) == (
+            "FLASHMLA_SPARSE",
+            "fp8",
+        )
+    assert serve["fp8 --enforce-eager"]["enforce_eager"] is True
+    for name in ("fa4 bench serve", "fa4 report's line"):
+        _built(serve[name])
+        assert serve[name]["max_model_len"] == 10240
+    assert serve["fa4 bench serve"]["mla_prefill_backend"].endswith("FLASH_ATTN")
+    # The report's line leaves the prefill backend to vLLM (FLASH_ATTN first on SM100).
+    assert serve["fa4 report's line"]["mla_prefill_backend"] is None
+    assert bench["fa4 report's bench"] == {
+        "dataset_name": "random",
+        "random_input_len": 8192,
+        "random_output_len": 1024,
+        "num_prompts": 160,
+        "max_concurrency": 16,
+    }
+    assert llm["fa4 case"]["max_num_seqs"] == 1
+    assert llm["fa4 case"]["mla_prefill_backend"].endswith("FLASH_ATTN")
+    assert llm["fa4 case TRTLLM_RAGGED"]["mla_prefill_backend"].endswith("TRTLLM_RAGGED")
+    assert llm["fa4 case warm-up off"]["enable_cutedsl_warmup"] is False
