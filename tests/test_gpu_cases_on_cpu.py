@@ -798,7 +798,7 @@ def test_dsv41_gpu_serve_lines_parse_and_build_with_the_releases_own_parser(serv
         assert seen["load_format"] == "dummy", seen
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release("0.25.0", "0.25.1")
 def test_fp8_and_fa4_gpu_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
     serve, bench, llm = serve_lines["serve"], serve_lines["bench"], serve_lines["llm"]
     for name in ("fp8 (cuda graphs)", "fp8 --enforce-eager"):
