@@ -7,28 +7,30 @@ report's flags: ``--attention-backend FLASHINFER_MLA_SPARSE_DSV41
 only.
 
 Greedy tokens of dummy weights prove nothing (logits differ by ~1e-6, every
-mismatch is a tie), so correctness is checked at the attention call instead:
+mismatch is a tie), so correctness is checked at the kernel calls instead:
 the call probe (``inprocess/call_probes.py``) wraps FlashInfer's SM120
-sparse-MLA entry inside the served process and, after every eager call,
-decodes the same records through the same cache views and indices in
-PyTorch.  It reads pages the way FlashInfer does (the view's rows, offset
-and page stride), so it follows whichever geometry vLLM bound.  A test
-passes only if every compared call's relative L2 error is below
-``ATTENTION_TOLERANCE`` (0.02) and no record read was never written.  Runs
-with ``--enforce-eager`` must have compared every call of every step; CUDA
-graph replays bypass Python, so runs with graphs compare the calls that ran
-eagerly and count them in the results file.  The tolerance catches a
-kernel that addresses the bound pages differently from their geometry
-(rows, page stride, footer offset); the unwritten count, writers and
-readers that disagree on pages (read slots
-nothing wrote: KV caches start zeroed and a fresh server hands these few
-prompts blocks no request used before).  Measured on the CPU harness with
-the probe's own decode against the dense truth, which only the harness has
+sparse-MLA entry, DeepGEMM's paged MQA logits and the indexer K gather
+inside the served process and recomputes each eager call in PyTorch from the
+same cache views (the indexer with the self-test's readers).  It reads pages
+the way the kernels do (the view's rows, offset and page stride), so it
+follows whichever geometry vLLM bound.  A with-fix run passes only if every
+compared attention call is within ``ATTENTION_TOLERANCE`` (0.02, relative
+L2), every indexer logit call within ``INDEXER_TOLERANCE`` (0.01), every
+gathered key byte-equal, no record read was never written, a probe record
+came from the engine process, and enough calls were compared: eager runs
+every call of every step, runs with CUDA graphs at least each prompt's
+prefill (eager: over the capture limit).  Measured on the CPU harness with
+the probe's own decode against the dense truth
 (``tests/test_gpu_cases_on_cpu.py``): the fix's geometry 6e-8 with 0
 unwritten reads; a split with untranslated writer slots 0.70 with 128 of 821
-reads unwritten, and 3e11 once its wrong pages hold other data -- a case
-the GPU check sees only through the unwritten count.  Page agreement for the
-fix's geometry is proven in full on CPU by ``vllm-mla-fixes selftest`` (``tests/test_selftest.py``).
+reads unwritten, and 3e11 once its wrong pages hold other data.  Page
+agreement for the fix's geometry is proven in full on CPU by
+``vllm-mla-fixes selftest`` (``tests/test_selftest.py``).
+
+Without the fix a run passes only on the bug's own signal (``missing_bug_signal``):
+upstream's start-up error where it refuses the line, else -- healthy first --
+the page geometry SM120 has no kernel for, a read off its reference, or the
+kernel's error text.  Any other failure fails the test.
 
 MoE: the tiny model's experts are MXFP4.  ``VLLM_MLA_FIXES_GPU_MOE_BACKEND``
 passes ``--moe-backend`` (the SM120 CI job sets ``marlin``, the report's
