@@ -227,14 +227,18 @@ def _capturing(tensor) -> bool:
 
 def instrument_dsv41(module) -> None:
     original = getattr(module, DSV41_ENTRY)
-    # The process that builds the model imports this module: the engine
-    # (EngineCore or a worker), never the API server alone.  Tests require it.
-    emit({"probe": "engine", "module": module.__name__, "entry": DSV41_ENTRY})
+    called_here = set()
 
     @functools.wraps(original)
     def checked(**kwargs):
         import torch
 
+        # Only the process that runs the model calls FlashInfer: the engine
+        # (EngineCore or a worker), whether it was forked or spawned, never the
+        # API server.  One record per process; the tests require it.
+        if os.getpid() not in called_here:
+            called_here.add(os.getpid())
+            emit({"probe": "engine", "module": module.__name__, "entry": DSV41_ENTRY})
         if _capturing(kwargs["query"]):
             emit({"probe": "dsv41", "skipped": "CUDA graph capture"})
             return original(**kwargs)
