@@ -294,36 +294,53 @@ def _bound_arguments(function, args, kwargs) -> dict:
     return dict(bound.arguments)
 
 
+def referenced_pages(cache, block_table, lengths):
+    """The pages request ``b`` reads (its first ``ceil(lengths[b] / rows)``
+    block-table entries), copied to the CPU in one piece, and the block table
+    renumbered into that copy.  A layer's whole cache is gigabytes on a GPU;
+    a request reads a few pages of it."""
+    import torch
+
+    rows = int(cache.shape[1])
+    table = block_table.long().cpu()
+    used = [(int(n) + rows - 1) // rows for n in lengths]
+    ids = sorted({int(table[b, j]) for b, count in enumerate(used) for j in range(count)})
+    compact = cache.index_select(0, torch.tensor(ids, dtype=torch.long, device=cache.device))
+    position = {page: i for i, page in enumerate(ids)}
+    renumbered = torch.zeros(len(used), max(used, default=0) or 1, dtype=torch.int32)
+    for b, count in enumerate(used):
+        for j in range(count):
+            renumbered[b, j] = position[int(table[b, j])]
+    return compact.cpu(), renumbered
+
+
 def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tables):
     """Per row ``(row, length, logits[length])`` of the indexer's decode scores,
-    read through the block table from the bound view (fp8 q, scale in the weights)."""
+    read through the block table from the bound view (fp8 q, scale in the
+    weights), on the CPU."""
     import torch
 
     from vllm_mla_fixes.selftest import reference as ref
 
-    cache = kv_cache[:, :, 0] if kv_cache.dim() == 4 else kv_cache
-    rows_per_page = int(cache.shape[1])
     batch, next_n = int(q_fp8.shape[0]), int(q_fp8.shape[1])
     lens = context_lens.reshape(batch, -1).long().cpu()
     if lens.shape[1] != next_n:
         raise NotImplementedError(f"context lens {tuple(context_lens.shape)} for next_n {next_n}")
-    table = block_tables.long()
+    pages, table = referenced_pages(kv_cache, block_tables, lens.amax(dim=1).tolist())
+    cache = pages[:, :, 0] if pages.dim() == 4 else pages
+    rows_per_page = int(cache.shape[1])
+    q_fp8, weights = q_fp8.cpu(), weights.float().cpu()
     out = []
     for b in range(batch):
         for n in range(next_n):
             length = int(lens[b, n])
             if length <= 0:
                 continue
-            s = torch.arange(length, device=table.device)
-            flat = table[b, s // rows_per_page] * rows_per_page + s % rows_per_page
+            s = torch.arange(length)
+            flat = table[b, s // rows_per_page].long() * rows_per_page + s % rows_per_page
             keys = ref.read_index_keys(cache, flat)
-            out.append(
-                (
-                    b * next_n + n,
-                    length,
-                    ref.index_logits(q_fp8[b, n], weights[b * next_n + n], keys),
-                )
-            )
+            row = b * next_n + n
+            out.append((row, length, ref.index_logits(q_fp8[b, n], weights[row], keys)))
     return out
 
 
@@ -361,7 +378,7 @@ def instrument_indexer_logits(module) -> None:
             rows = reference_paged_mqa_logits(
                 q, kv_cache, call["weights"], call["context_lens"], call["block_tables"]
             )
-            got = torch.cat([logits[row, :length].float() for row, length, _ in rows])
+            got = torch.cat([logits[row, :length].float().cpu() for row, length, _ in rows])
             want = torch.cat([expected for _, _, expected in rows])
             record["rows"] = len(rows)
             record["rel_error"] = relative_error(got, want) if rows else 0.0
@@ -408,9 +425,11 @@ def instrument_indexer_gather(module) -> None:
             got_scale = call["dst_scale"][:total].reshape(total, -1).view(torch.uint8).cpu()
             want_k = torch.zeros_like(got_k)
             want_scale = torch.zeros(total, 4, dtype=torch.uint8)
-            gather_indexer_k_stand_in(
-                kv_cache.cpu(), want_k, want_scale, call["block_table"].cpu(), cu.cpu()
+            bounds = cu.long().cpu()
+            pages, table = referenced_pages(
+                kv_cache, call["block_table"], (bounds[1:] - bounds[:-1]).tolist()
             )
+            gather_indexer_k_stand_in(pages, want_k, want_scale, table, bounds)
             differ = (got_k != want_k).any(dim=1) | (got_scale != want_scale).any(dim=1)
             record["keys"] = total
             record["keys_differing"] = int(differ.sum())
