@@ -11,6 +11,7 @@ lock file's contents, and is a no-op when it already is.
     nox -s vllm-0.25.1        # the tests, one release
     nox -t verify             # `vllm-mla-fixes verify` on each release a fix targets
     nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
+    nox -s flashinfer-jit-0.33.0   # FlashInfer's SM120 sparse-MLA JIT build, locked toolkit (CPU)
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def _verify_session(release: str):
 # Releases the DeepSeek-V4.1 self-test covers: it must pass there on a GPU runner.
 SELFTEST_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 RESULTS_ENV = "VLLM_MLA_FIXES_GPU_RESULTS"
+EXPECT_GPU_ENV = "VLLM_MLA_FIXES_EXPECT_GPU_CC"
 
 
 def _toolkit_env(session: nox.Session) -> dict[str, str]:
@@ -174,9 +176,15 @@ def _selftest_session(release: str):
 
 def _gpu_session(release: str):
     def session_func(session: nox.Session) -> None:
-        _install(session, release)
         gpu_tests = ROOT / "tests" / "gpu"
-        env = _toolkit_env(session)
+        # Before installing anything: the GPU this session must find, declared or
+        # derived from nvidia-smi; no GPU and no declaration refuses to run, so the
+        # session can never go green on skips.
+        declared = session.run(
+            "python", str(gpu_tests / "preflight.py"), "--declared", silent=True, stderr=None
+        )
+        _install(session, release)
+        env = {**_toolkit_env(session), EXPECT_GPU_ENV: declared.strip().splitlines()[-1]}
         # Fails the job when the GPU that VLLM_MLA_FIXES_EXPECT_GPU_CC declares is unusable.
         session.run("python", str(gpu_tests / "preflight.py"), env=env)
         # The self-test first: the real kernels on the fixed layout, on this runner's GPU.
@@ -186,11 +194,33 @@ def _gpu_session(release: str):
         )
 
     session_func.__doc__ = (
-        f"GPU regression tests on vLLM {release} (a GPU runner; skips elsewhere)."
+        f"GPU regression tests on vLLM {release} (a GPU runner; without a GPU and "
+        f"without {EXPECT_GPU_ENV} it refuses to run)."
     )
     return nox.session(python="3.11", name=f"gpu-{release}", tags=["gpu"], default=False)(
         session_func
     )
+
+
+def _flashinfer_jit_session(release: str):
+    def session_func(session: nox.Session) -> None:
+        _install(session, release)
+        # A workspace of its own: a cold build every time, timed; no GPU needed.
+        workspace = Path(session.create_tmp()) / "flashinfer-jit"
+        shutil.rmtree(workspace, ignore_errors=True)
+        session.run(
+            "python",
+            str(ROOT / "tests" / "gpu" / "flashinfer_sm120_jit.py"),
+            env={"FLASHINFER_WORKSPACE_BASE": str(workspace), "CUDA_VISIBLE_DEVICES": ""},
+        )
+
+    session_func.__doc__ = (
+        f"Build FlashInfer's SM120 sparse-MLA JIT module with vLLM {release}'s locked "
+        f"CUDA toolkit, on CPU (opt-in; its own environment; long, see README)."
+    )
+    return nox.session(
+        python="3.11", name=f"flashinfer-jit-{release}", tags=["flashinfer-jit"], default=False
+    )(session_func)
 
 
 @nox.session(python=False, default=False)
@@ -248,3 +278,4 @@ for _release in RELEASES:
     _gpu_session(_release)
 for _release in SELFTEST_RELEASES:
     _selftest_session(_release)
+    _flashinfer_jit_session(_release)

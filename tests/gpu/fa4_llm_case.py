@@ -13,7 +13,7 @@ the same step, and the ~8k-token query leaves no room for Split-KV.
 scheduler and FA4's own split decision.  Prints one ``RESULT=`` JSON line
 on success.
 
-    python tests/gpu/fa4_llm_case.py --model DIR [--kernel-config JSON]
+    python tests/gpu/fa4_llm_case.py --model DIR [--kernel-config JSON] [--attention-config JSON]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--kernel-config", default=None)
+    parser.add_argument("--attention-config", default=None)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -54,6 +55,8 @@ def main() -> None:
     options = dict(model=args.model, **ENGINE_OPTIONS)
     if args.kernel_config:
         options["kernel_config"] = json.loads(args.kernel_config)
+    if args.attention_config:
+        options["attention_config"] = json.loads(args.attention_config)
     llm = LLM(**options)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids()]
     outputs = llm.generate(

@@ -4,6 +4,13 @@ cause (no ``nvidia-smi``, no CUDA in torch, a driver older than the CUDA 13
 wheels need, another GPU); without it, only reports.
 
     python tests/gpu/preflight.py
+    python tests/gpu/preflight.py --declared   # the major a GPU session must expect
+
+``--declared`` (no torch needed; the GPU nox sessions run it before
+installing anything) prints the declared major, or, where none is declared,
+the major of the GPU ``nvidia-smi`` sees, saying on stderr that it was
+derived.  With neither it exits 1: a GPU session without a GPU must not go
+green on skips.
 """
 
 from __future__ import annotations
@@ -56,7 +63,56 @@ def problems(declared: int) -> tuple[list[str], list[str]]:
     return found, wrong
 
 
+def visible_gpu() -> tuple[int, str] | None:
+    """(compute-capability major, description) of GPU 0 per nvidia-smi, or None."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    query = subprocess.run(
+        [smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
+    lines = query.stdout.strip().splitlines()
+    if query.returncode != 0 or not lines:
+        return None
+    name, capability = (part.strip() for part in lines[0].rsplit(",", 1))
+    return int(capability.split(".")[0]), f"{name} (compute capability {capability})"
+
+
+def declared_major() -> int:
+    value = os.environ.get(EXPECT_GPU_ENV, "").strip()
+    if value:
+        if not value.isdigit():
+            print(
+                f"preflight: {EXPECT_GPU_ENV}={value!r} is not a major such as 9, 10 or 12",
+                file=sys.stderr,
+            )
+            return 1
+        print(value)
+        return 0
+    gpu = visible_gpu()
+    if gpu is None:
+        print(
+            f"preflight: refusing to run the GPU tests: {EXPECT_GPU_ENV} is not set and "
+            f"nvidia-smi sees no GPU, so every test would skip and the session would go green. "
+            f"Run on a GPU runner, or set {EXPECT_GPU_ENV} to the GPU's compute-capability major.",
+            file=sys.stderr,
+        )
+        return 1
+    major, description = gpu
+    print(
+        f"preflight: {EXPECT_GPU_ENV} is not set; expecting SM{major}x, derived from the GPU "
+        f"nvidia-smi sees: {description}",
+        file=sys.stderr,
+    )
+    print(major)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--declared"]:
+        return declared_major()
     value = os.environ.get(EXPECT_GPU_ENV, "").strip()
     declared = int(value) if value.isdigit() else None
     found, wrong = problems(declared if declared is not None else -1)

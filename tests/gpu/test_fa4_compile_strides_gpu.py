@@ -37,7 +37,14 @@ from pathlib import Path
 import pytest
 
 from gpu.inprocess.call_probes import LOG_ENV, new_split_kv_calls, read_log
-from gpu.serving import require_gpu, running_server
+from gpu.serving import (
+    check_gpu_memory,
+    keep_log,
+    require_gpu,
+    results_dir,
+    run_in_own_session,
+    running_server,
+)
 from vllm_mla_fixes.fixes.fa4_compile_strides import INFO
 
 MODEL = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v3_mla"
@@ -81,21 +88,13 @@ def sm100():
 
     installed = version("vllm")
     # the fix's own functional probe on this install (a child: it imports FA4's CuTe code)
-    probe = subprocess.run(
-        [sys.executable, "-c", PROBE_CODE], capture_output=True, text=True, timeout=600
-    )
+    probe = run_in_own_session([sys.executable, "-c", PROBE_CODE], dict(os.environ), timeout=600)
     has_bug = probe_verdict(probe.returncode, probe.stdout, probe.stderr)
     return {
         "capability": capability,
         "vllm": installed,
         "affected": INFO.admits(installed) and has_bug,
     }
-
-
-def _results_dir(tmp_path_factory) -> Path:
-    out = Path(os.environ.get("VLLM_MLA_FIXES_GPU_RESULTS", tmp_path_factory.mktemp("results")))
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def _env(call_log: Path, **changes: str | None) -> dict[str, str]:
@@ -113,14 +112,16 @@ def _env(call_log: Path, **changes: str | None) -> dict[str, str]:
 
 
 def run_case(env: dict, *extra: str) -> tuple[int, str, dict | None]:
-    proc = subprocess.run(
-        [sys.executable, str(CASE), "--model", str(MODEL), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=CASE_TIMEOUT_S,
+    """``fa4_llm_case.py`` in its own process group (stopped on exit and on
+    timeout, EngineCore included), after a check of free GPU memory."""
+    from gpu import fa4_llm_case
+
+    with open(os.devnull, "w") as quiet:
+        memory = check_gpu_memory(fa4_llm_case.ENGINE_OPTIONS, quiet)
+    proc = run_in_own_session(
+        [sys.executable, str(CASE), "--model", str(MODEL), *extra], env, timeout=CASE_TIMEOUT_S
     )
-    log = proc.stdout + proc.stderr
+    log = f"[gpu test] GPU memory before start: {memory}\n" + proc.stdout + proc.stderr
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")), None)
     return proc.returncode, log, json.loads(line[len("RESULT=") :]) if line else None
 
@@ -134,6 +135,7 @@ def split_kv_summary(call_log: Path) -> dict:
     return {
         "probe_installed": any(r.get("probe") == "install" for r in records),
         "fa4_calls": len(fa4),
+        "real_fa4_calls": sum(1 for r in fa4 if not r["compile_only"]),
         "warmup_total_q": sorted(
             {r["total_q"] for r in fa4 if r["compile_only"] and r["total_q"] is not None}
         ),
@@ -151,8 +153,9 @@ def assert_reached_new_split_kv(summary: dict) -> None:
 
 
 def _record(tmp_path_factory, name: str, returncode: int, log: str, result, summary: dict) -> None:
+    keep_log(tmp_path_factory, name, log)
     match = UPSTREAM_ERROR.search(log)
-    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(
+    (results_dir(tmp_path_factory) / f"{name}.json").write_text(
         json.dumps(
             {
                 "returncode": returncode,
@@ -285,14 +288,43 @@ SERVE_ARGS = [
 ]
 
 
-def bench_serve(tmp_path: Path, env: dict) -> tuple[dict, str, subprocess.CompletedProcess | None]:
+# The report's own load (vllm#49200): served with --tensor-parallel-size 8
+# --max-model-len 10240, driven with exactly these bench flags.  One GPU here:
+# the tiny model's 8 heads are Kimi-K2.5's heads per rank at TP8, so TP1 of it
+# runs one rank's shapes; nothing else is scaled.
+REPORT_BENCH_PROMPTS = 160
+REPORT_BENCH_ARGS = [
+    "--dataset-name",
+    "random",
+    "--random-input-len",
+    "8192",
+    "--random-output-len",
+    "1024",
+    "--num-prompts",
+    str(REPORT_BENCH_PROMPTS),
+    "--max-concurrency",
+    "16",
+]
+REPORT_SERVE_ARGS = [
+    "--load-format",
+    "dummy",
+    "--max-model-len",
+    "10240",
+    "--gpu-memory-utilization",
+    "0.5",
+]
+
+
+def bench_serve(
+    tmp_path: Path, env: dict, serve_args=SERVE_ARGS, bench_args=BENCH_ARGS
+) -> tuple[dict, str, subprocess.CompletedProcess | None]:
     model = tmp_path / "tiny_deepseek_v3_mla"
     model.mkdir()
     (model / "config.json").write_text((MODEL / "config.json").read_text())
     write_word_tokenizer(model)
     serve_log = tmp_path / "serve.log"
     proc = None
-    with running_server(model, SERVE_ARGS, env, serve_log) as server:
+    with running_server(model, serve_args, env, serve_log) as server:
         if server.healthy:
             bench = [
                 sys.executable,
@@ -308,23 +340,22 @@ def bench_serve(tmp_path: Path, env: dict) -> tuple[dict, str, subprocess.Comple
                 "127.0.0.1",
                 "--port",
                 str(server.port),
-                *BENCH_ARGS,
+                *bench_args,
                 "--save-result",
                 "--result-dir",
                 str(tmp_path),
                 "--result-filename",
                 "bench.json",
             ]
-            proc = subprocess.run(
-                bench, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S
-            )
+            proc = run_in_own_session(bench, env, timeout=CASE_TIMEOUT_S)
     result_file = tmp_path / "bench.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
     return result, serve_log.read_text(errors="replace"), proc
 
 
 def _record_bench(tmp_path_factory, name: str, result: dict, server_text: str, summary: dict):
-    (_results_dir(tmp_path_factory) / f"{name}.json").write_text(
+    keep_log(tmp_path_factory, name, server_text)
+    (results_dir(tmp_path_factory) / f"{name}.json").write_text(
         json.dumps(
             {
                 "completed": result.get("completed"),
@@ -384,3 +415,58 @@ def test_bench_serve_random_9000_without_plugin(sm100, tmp_path, tmp_path_factor
         assert result.get("completed", 0) < BENCH_PROMPTS, result
     else:
         assert result.get("completed") == BENCH_PROMPTS and not result.get("failed"), result
+
+
+def test_bench_serve_the_reports_line_with_plugin(sm100, tmp_path, tmp_path_factory):
+    """Proves: the report's own bench line (160 random 8192-token prompts, 1024 tokens out,
+    16 at a time; TP1 of one rank's shapes) does not crash the patched server: 160 of 160
+    requests complete, with FA4 (vLLM's default MLA prefill on SM100) serving the prefills.
+    A must-not-crash check: its steps batch many prompts, so it need not reach Split-KV."""
+    calls = tmp_path / "calls.jsonl"
+    env = _env(calls, VLLM_PLUGINS=None, VLLM_MLA_FIXES="all")
+    result, server_text, proc = bench_serve(
+        tmp_path, env, serve_args=REPORT_SERVE_ARGS, bench_args=REPORT_BENCH_ARGS
+    )
+    summary = split_kv_summary(calls)
+    _record_bench(
+        tmp_path_factory,
+        f"fa4_bench_serve_report_line_with_plugin_{sm100['vllm']}",
+        result,
+        server_text,
+        summary,
+    )
+    assert proc is not None, server_text[-6000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert summary["probe_installed"] and not summary["probe_errors"], summary
+    assert summary["real_fa4_calls"] > 0, f"FA4 served no prefill: {summary}"
+    assert result.get("completed") == REPORT_BENCH_PROMPTS and not result.get("failed"), {
+        k: result.get(k) for k in ("completed", "failed")
+    }
+    assert not re.search(r'HTTP/1\.1" 500', server_text)
+    assert not UPSTREAM_ERROR.search(server_text)
+    if sm100["affected"]:
+        assert PATCHED_LINE in server_text
+
+
+def test_llm_without_plugin_trtllm_ragged_prefill_workaround(sm100, tmp_path, tmp_path_factory):
+    """Proves: the README's other workaround, TRTLLM_RAGGED MLA prefill, serves every
+    prompt of the FA4 case unpatched, and does so by keeping prefill off FA4 (no real
+    FA4 call), not by luck."""
+    calls = tmp_path / "calls.jsonl"
+    returncode, log, result = run_case(
+        _env(calls, VLLM_PLUGINS=""),
+        "--attention-config",
+        json.dumps({"mla_prefill_backend": "TRTLLM_RAGGED"}),
+    )
+    summary = split_kv_summary(calls)
+    _record(
+        tmp_path_factory,
+        f"fa4_llm_trtllm_ragged_{sm100['vllm']}",
+        returncode,
+        log,
+        result,
+        summary,
+    )
+    assert summary["probe_installed"] and not summary["probe_errors"], summary
+    _assert_all_served(returncode, log, result)
+    assert summary["real_fa4_calls"] == 0, summary

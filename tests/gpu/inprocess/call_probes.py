@@ -36,6 +36,14 @@ LOG_ENV = "VLLM_MLA_FIXES_GPU_CALL_LOG"
 FA4_MODULE = "vllm.vllm_flash_attn.cute.interface"
 DSV41_MODULE = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
 DSV41_ENTRY = "flashinfer_trtllm_batch_decode_sparse_mla_dsv4"
+# Where vLLM binds DeepGEMM's paged MQA logits for the DeepSeek-V4.1 indexer
+# (the generic sparse indexer; 0.33+ also a specialised decode module), and
+# the module whose attribute the prefill K gather is called through.
+INDEXER_LOGITS_MODULES = (
+    "vllm.model_executor.layers.sparse_attn_indexer",
+    "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer",
+)
+INDEXER_GATHER_MODULE = "vllm._custom_ops"
 
 # fp8_ds_mla V4 record: 448 fp8-e4m3 NoPE + 64 bf16 RoPE (576 B of data per
 # row), and per row 8 footer bytes after the page's data: 7 UE8M0 scales (one
@@ -193,31 +201,49 @@ def reference_sparse_mla(
 
 
 def relative_error(got, want) -> float:
-    """||got - want|| / ||want|| in fp32; inf for a non-finite output."""
+    """||got - want|| / ||want|| in fp32; inf for a non-finite output or a
+    non-zero output where zero was wanted; 0 when both are zero."""
     import torch
 
     got, want = got.float(), want.float()
     if not bool(torch.isfinite(got).all()):
         return float("inf")
     norm = float(want.norm())
-    return float((got - want).norm()) / norm if norm > 0 else float(got.norm() > 0) * float("inf")
+    if norm > 0:
+        return float((got - want).norm()) / norm
+    # Both zero is agreement; zero where something non-zero was wanted is not.
+    return 0.0 if float(got.norm()) == 0 else float("inf")
 
 
 def _page_geometry(cache) -> list | None:
     return None if cache is None else [int(cache.shape[1]), int(cache.stride(0))]
 
 
+def _capturing(tensor) -> bool:
+    import torch
+
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def instrument_dsv41(module) -> None:
     original = getattr(module, DSV41_ENTRY)
+    called_here = set()
 
     @functools.wraps(original)
     def checked(**kwargs):
         import torch
 
-        result = original(**kwargs)
-        if kwargs["query"].is_cuda and torch.cuda.is_current_stream_capturing():
+        # Only the process that runs the model calls FlashInfer: the engine
+        # (EngineCore or a worker), whether it was forked or spawned, never the
+        # API server.  One record per process; the tests require it.
+        if os.getpid() not in called_here:
+            called_here.add(os.getpid())
+            emit({"probe": "engine", "module": module.__name__, "entry": DSV41_ENTRY})
+        if _capturing(kwargs["query"]):
             emit({"probe": "dsv41", "skipped": "CUDA graph capture"})
-            return result
+            return original(**kwargs)
+        # The geometry is what the kernel is asked to read: recorded before
+        # it runs, so a kernel that rejects it still leaves the record.
         record = {
             "probe": "dsv41",
             "tokens": int(kwargs["query"].shape[0]),
@@ -226,6 +252,12 @@ def instrument_dsv41(module) -> None:
             if kwargs.get("extra_sparse_indices") is not None
             else None,
         }
+        try:
+            result = original(**kwargs)
+        except Exception as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            emit(record)
+            raise
         try:
             if kwargs.get("sparse_indices_are_storage_offsets"):
                 raise NotImplementedError("storage-offset indices (not the SM120 entry)")
@@ -240,6 +272,173 @@ def instrument_dsv41(module) -> None:
         return result
 
     setattr(module, DSV41_ENTRY, checked)
+
+
+# ------------------------------------------------------------- indexer
+#
+# The DeepSeek-V4.1 indexer reads its own paged fp8 cache ([pages, rows, 132]:
+# a page's rows x 128 fp8 values, then rows x 4 bytes of fp32 scale) in two
+# places.  Decode: DeepGEMM's paged MQA logits, through the block table.
+# Prefill: ``cp_gather_indexer_k_quant_cache`` copies each request's keys out.
+# Both are recomputed here from the same view with the self-test's reference
+# readers (``vllm_mla_fixes.selftest``), which address pages as the kernels do.
+
+INDEXER_LOGITS_ENTRY = "fp8_fp4_paged_mqa_logits"
+INDEXER_GATHER_ENTRY = "cp_gather_indexer_k_quant_cache"
+
+
+def _bound_arguments(function, args, kwargs) -> dict:
+    import inspect
+
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def referenced_pages(cache, block_table, lengths):
+    """The pages request ``b`` reads (its first ``ceil(lengths[b] / rows)``
+    block-table entries), copied to the CPU in one piece, and the block table
+    renumbered into that copy.  A layer's whole cache is gigabytes on a GPU;
+    a request reads a few pages of it."""
+    import torch
+
+    rows = int(cache.shape[1])
+    table = block_table.long().cpu()
+    used = [(int(n) + rows - 1) // rows for n in lengths]
+    ids = sorted({int(table[b, j]) for b, count in enumerate(used) for j in range(count)})
+    compact = cache.index_select(0, torch.tensor(ids, dtype=torch.long, device=cache.device))
+    position = {page: i for i, page in enumerate(ids)}
+    renumbered = torch.zeros(len(used), max(used, default=0) or 1, dtype=torch.int32)
+    for b, count in enumerate(used):
+        for j in range(count):
+            renumbered[b, j] = position[int(table[b, j])]
+    return compact.cpu(), renumbered
+
+
+def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tables):
+    """Per row ``(row, length, logits[length])`` of the indexer's decode scores,
+    read through the block table from the bound view (fp8 q, scale in the
+    weights), on the CPU."""
+    import torch
+
+    from vllm_mla_fixes.selftest import reference as ref
+
+    batch, next_n = int(q_fp8.shape[0]), int(q_fp8.shape[1])
+    lens = context_lens.reshape(batch, -1).long().cpu()
+    if lens.shape[1] != next_n:
+        raise NotImplementedError(f"context lens {tuple(context_lens.shape)} for next_n {next_n}")
+    pages, table = referenced_pages(kv_cache, block_tables, lens.amax(dim=1).tolist())
+    cache = pages[:, :, 0] if pages.dim() == 4 else pages
+    rows_per_page = int(cache.shape[1])
+    q_fp8, weights = q_fp8.cpu(), weights.float().cpu()
+    out = []
+    for b in range(batch):
+        for n in range(next_n):
+            length = int(lens[b, n])
+            if length <= 0:
+                continue
+            s = torch.arange(length)
+            flat = table[b, s // rows_per_page].long() * rows_per_page + s % rows_per_page
+            keys = ref.read_index_keys(cache, flat)
+            row = b * next_n + n
+            out.append((row, length, ref.index_logits(q_fp8[b, n], weights[row], keys)))
+    return out
+
+
+def instrument_indexer_logits(module) -> None:
+    original = getattr(module, INDEXER_LOGITS_ENTRY, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def checked(*args, **kwargs):
+        import torch
+
+        call = _bound_arguments(original, args, kwargs)
+        q, q_scale = call["q"]
+        if _capturing(q):
+            emit({"probe": "indexer_logits", "skipped": "CUDA graph capture"})
+            return original(*args, **kwargs)
+        kv_cache = call["kv_cache"]
+        record = {
+            "probe": "indexer_logits",
+            "module": module.__name__,
+            "indexer_page": [int(kv_cache.shape[1]), int(kv_cache.stride(0))],
+        }
+        try:
+            logits = original(*args, **kwargs)
+        except Exception as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            emit(record)
+            raise
+        try:
+            if q_scale is not None:
+                raise NotImplementedError("MXFP4 q (this test serves an fp8 indexer cache)")
+            if call.get("indices") is not None:
+                raise NotImplementedError("varlen rows (SM100's form, not SM120's)")
+            rows = reference_paged_mqa_logits(
+                q, kv_cache, call["weights"], call["context_lens"], call["block_tables"]
+            )
+            got = torch.cat([logits[row, :length].float().cpu() for row, length, _ in rows])
+            want = torch.cat([expected for _, _, expected in rows])
+            record["rows"] = len(rows)
+            record["rel_error"] = relative_error(got, want) if rows else 0.0
+        except Exception as exc:  # noqa: BLE001 - the probe reports, the test decides
+            record["probe_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        emit(record)
+        return logits
+
+    setattr(module, INDEXER_LOGITS_ENTRY, checked)
+
+
+def instrument_indexer_gather(module) -> None:
+    """``vllm._custom_ops.cp_gather_indexer_k_quant_cache``: the bytes it
+    copied must be the bytes the self-test's gather reads from the same view."""
+    original = getattr(module, INDEXER_GATHER_ENTRY, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def checked(*args, **kwargs):
+        import torch
+
+        from vllm_mla_fixes.selftest.kernels import gather_indexer_k_stand_in
+
+        call = _bound_arguments(original, args, kwargs)
+        kv_cache = call["kv_cache"]
+        if _capturing(kv_cache):
+            emit({"probe": "indexer_gather", "skipped": "CUDA graph capture"})
+            return original(*args, **kwargs)
+        record = {
+            "probe": "indexer_gather",
+            "indexer_page": [int(kv_cache.shape[1]), int(kv_cache.stride(0))],
+        }
+        try:
+            result = original(*args, **kwargs)
+        except Exception as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            emit(record)
+            raise
+        try:
+            cu = call["cu_seq_lens"]
+            total = int(cu[-1])
+            got_k = call["dst_k"][:total].reshape(total, -1).view(torch.uint8).cpu()
+            got_scale = call["dst_scale"][:total].reshape(total, -1).view(torch.uint8).cpu()
+            want_k = torch.zeros_like(got_k)
+            want_scale = torch.zeros(total, 4, dtype=torch.uint8)
+            bounds = cu.long().cpu()
+            pages, table = referenced_pages(
+                kv_cache, call["block_table"], (bounds[1:] - bounds[:-1]).tolist()
+            )
+            gather_indexer_k_stand_in(pages, want_k, want_scale, table, bounds)
+            differ = (got_k != want_k).any(dim=1) | (got_scale != want_scale).any(dim=1)
+            record["keys"] = total
+            record["keys_differing"] = int(differ.sum())
+        except Exception as exc:  # noqa: BLE001 - the probe reports, the test decides
+            record["probe_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        emit(record)
+        return result
+
+    setattr(module, INDEXER_GATHER_ENTRY, checked)
 
 
 # ------------------------------------------------------------ installing
@@ -283,7 +482,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    hooks = {FA4_MODULE: instrument_fa4, DSV41_MODULE: instrument_dsv41}
+    hooks = {
+        FA4_MODULE: instrument_fa4,
+        DSV41_MODULE: instrument_dsv41,
+        **{name: instrument_indexer_logits for name in INDEXER_LOGITS_MODULES},
+        INDEXER_GATHER_MODULE: instrument_indexer_gather,
+    }
     for name, hook in hooks.items():
         if name in sys.modules:
             hook(sys.modules[name])

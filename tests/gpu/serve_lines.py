@@ -1,0 +1,155 @@
+"""Every serve line the GPU tests run on the installed vLLM release, parsed
+by that release's own ``vllm serve`` argument parser and validator, turned
+into engine arguments and built into a ``VllmConfig`` as far as a CPU allows;
+every bench line parsed by its ``vllm bench serve`` parser.  Prints one
+``RESULT=`` JSON line: per line, the values the GPU test relies on, and the
+error where building stopped.
+
+vLLM cannot infer a device without a GPU; as its own ``vllm bench`` command
+does on such a machine, the platform is set to vLLM's CPU platform first.
+That platform adjusts a few values afterwards (a CPU block size of 16, no
+chunked prefill for MLA), so the values reported are the engine arguments,
+before the platform touched them.
+
+    CUDA_VISIBLE_DEVICES= python tests/gpu/serve_lines.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
+    """name -> (model, serve arguments after the model) of each GPU test on ``release``."""
+    lines = {}
+    if release.startswith("0.25."):
+        from gpu import test_fa4_compile_strides_gpu as fa4
+        from gpu import test_fp8_ds_mla_reshape_gpu as fp8
+
+        glm = fp8.TINY_GLM_DSA.parent
+        lines["fp8 (cuda graphs)"] = (glm, fp8.FLAGS)
+        lines["fp8 --enforce-eager"] = (glm, [*fp8.FLAGS, "--enforce-eager"])
+        lines["fa4 bench serve"] = (fa4.MODEL, fa4.SERVE_ARGS)
+        lines["fa4 report's line"] = (fa4.MODEL, fa4.REPORT_SERVE_ARGS)
+    if release.startswith(("0.32.", "0.33.", "0.34.")):
+        from gpu import test_dsv41_sm120_gpu as dsv41
+
+        for block_size in (64, 128):
+            flags = dsv41.issue_flags(block_size)
+            if "--moe-backend" not in flags:  # the SM120 CI job's choice
+                flags += ["--moe-backend", "marlin"]
+            lines[f"dsv41 bs{block_size}"] = (dsv41.MODEL_DIR, flags)
+            lines[f"dsv41 bs{block_size} eager"] = (dsv41.MODEL_DIR, [*flags, "--enforce-eager"])
+    return lines
+
+
+def _bench_lines(release: str) -> dict[str, list[str]]:
+    if not release.startswith("0.25."):
+        return {}
+    from gpu import test_fa4_compile_strides_gpu as fa4
+
+    return {"fa4 bench": fa4.BENCH_ARGS, "fa4 report's bench": fa4.REPORT_BENCH_ARGS}
+
+
+def _serve_parser():
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser, serve
+
+
+def build_serve_line(model: Path, flags: list[str]) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    parser, serve = _serve_parser()
+    args = parser.parse_args(["serve", str(model), "--host", "127.0.0.1", "--port", "8000", *flags])
+    serve.validate(args)
+    args.model = args.model_tag  # what `vllm serve MODEL` does with its positional
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    attention = engine_args.attention_config
+    seen = {
+        "block_size": engine_args.block_size,
+        "kv_cache_dtype": engine_args.kv_cache_dtype,
+        "attention_backend": str(getattr(engine_args, "attention_backend", None)),
+        "mla_prefill_backend": getattr(attention, "mla_prefill_backend", None),
+        "indexer_kv_dtype": getattr(attention, "indexer_kv_dtype", None),
+        "enforce_eager": engine_args.enforce_eager,
+        "max_model_len": engine_args.max_model_len,
+        "load_format": engine_args.load_format,
+    }
+    try:
+        config = engine_args.create_engine_config()
+        seen["engine_config"] = {
+            "architectures": config.model_config.architectures,
+            "max_model_len": config.model_config.max_model_len,
+        }
+    except Exception as exc:  # noqa: BLE001 - report where the CPU stopped
+        seen["engine_config_error"] = f"{type(exc).__name__}: {exc}"[:600]
+    return seen
+
+
+def build_llm_case(**changes) -> dict:
+    """``fa4_llm_case.py``'s ``LLM(...)`` options, as ``LLM`` turns them into engine arguments."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from gpu import fa4_llm_case
+    from gpu import test_fa4_compile_strides_gpu as fa4
+
+    engine_args = EngineArgs(model=str(fa4.MODEL), **{**fa4_llm_case.ENGINE_OPTIONS, **changes})
+    config = engine_args.create_engine_config()
+    return {
+        "mla_prefill_backend": str(config.attention_config.mla_prefill_backend),
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "enable_cutedsl_warmup": getattr(config.kernel_config, "enable_cutedsl_warmup", None),
+    }
+
+
+def parse_bench_line(flags: list[str]) -> dict:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--model", "m", *flags])
+    return {
+        key: getattr(args, key)
+        for key in ("dataset_name", "random_input_len", "random_output_len", "num_prompts")
+    } | {"max_concurrency": args.max_concurrency}
+
+
+def main() -> int:
+    from vllm import platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    if platforms.current_platform.is_unspecified():
+        platforms.current_platform = CpuPlatform()
+    release = version("vllm")
+    result = {"vllm": release, "serve": {}, "bench": {}, "llm": {}}
+    for name, (model, flags) in _serve_lines(release).items():
+        result["serve"][name] = build_serve_line(model, flags)
+    for name, flags in _bench_lines(release).items():
+        result["bench"][name] = parse_bench_line(flags)
+    if release.startswith("0.25."):
+        result["llm"]["fa4 case"] = build_llm_case()
+        result["llm"]["fa4 case TRTLLM_RAGGED"] = build_llm_case(
+            attention_config={"mla_prefill_backend": "TRTLLM_RAGGED"}
+        )
+        result["llm"]["fa4 case warm-up off"] = build_llm_case(
+            kernel_config={"enable_cutedsl_warmup": False}
+        )
+    print("RESULT=" + json.dumps(result, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_PLUGINS", "")
+    sys.exit(main())
