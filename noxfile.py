@@ -38,10 +38,22 @@ MIN_FREE_GIB_FOR_NEW_ENV = 12
 # files under cuda/bindings, and whichever lands last wins, so
 # `vllm.models.deepseek_v41` may fail to import ("cuda.bindings.runtime has no
 # attribute cudaLibrary_t").  A matching 13.x pair is what the code expects.
+#
+# The CUDA compiler must match the runtime headers it compiles against:
+# humming-kernels[cu13] asks for nvidia-cuda-nvcc unpinned, which resolves to
+# 13.5.37 beside torch's nvidia-cuda-runtime 13.0.96, and FlashInfer's JIT then
+# stops at its first source ("CUDA compiler and CUDA toolkit headers are
+# incompatible"; benchmarks/results/flashinfer_sm120_jit_0.33.0.txt).  13.0.88
+# is the compiler of cuda-toolkit 13.0, the release of that runtime.
+_CUDA_13_0_COMPILER = (
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-cuda-crt==13.0.88",
+    "nvidia-nvvm==13.0.88",
+)
 EXTRA_PINS = {
-    "0.32.0": ("cuda-python>=13", "cuda-bindings>=13"),
-    "0.33.0": ("cuda-python>=13", "cuda-bindings>=13"),
-    "0.34.0": ("cuda-python>=13", "cuda-bindings>=13"),
+    "0.32.0": ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER),
+    "0.33.0": ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER),
+    "0.34.0": ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER),
 }
 # Requirements that replace a release's own pin, with the reason (uv's
 # --override).  vLLM 0.34.0 pins flashinfer-python==0.7.3, which was never
