@@ -73,7 +73,14 @@ def cmd_status(args) -> int:
     ]
     if args.json:
         print(
-            json.dumps({"vllm": vllm_mla_fixes.installed_vllm_version(), "fixes": rows}, indent=2)
+            json.dumps(
+                {
+                    "vllm": vllm_mla_fixes.installed_vllm_version(),
+                    "vllm_mla_fixes": vllm_mla_fixes.__version__,
+                    "fixes": rows,
+                },
+                indent=2,
+            )
         )
         return 0
     print(
@@ -240,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm", metavar="VERSION", help="download this vLLM release (sha256 checked)"
     )
     build.add_argument("--out", default="dist", help="output directory (default: dist)")
-    build.add_argument("--build-number", type=int, default=1, help="N in +mlafixes.N (default: 1)")
+    build.add_argument(
+        "--build-number",
+        type=int,
+        default=None,
+        help="append .buildN to the version (+mlafixes.<plugin version>.buildN), for a "
+        "rebuild of the same vLLM and plugin versions (default: none)",
+    )
     build.add_argument(
         "--index-url",
         default="https://pypi.org/simple",

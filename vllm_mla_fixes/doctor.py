@@ -16,6 +16,7 @@ import shlex
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from vllm_mla_fixes import __version__
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import release_decision
 from vllm_mla_fixes.report import (
@@ -298,6 +299,7 @@ def report(
         print_(
             json.dumps(
                 {
+                    "vllm_mla_fixes": __version__,
                     "environment": dataclasses.asdict(env),
                     "serve": dataclasses.asdict(serve) if serve else None,
                     "findings": [dataclasses.asdict(f) for f in findings],
@@ -313,6 +315,7 @@ def report(
 def _print_human(
     env: Environment, serve: ServeLine | None, findings: list[Finding], print_
 ) -> None:
+    print_(f"vllm-mla-fixes {__version__} doctor")
     print_("Environment")
     for name, ver in env.packages.items():
         print_(f"  {name:<22} {ver or '-'}")
