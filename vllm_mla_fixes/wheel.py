@@ -276,9 +276,11 @@ def run(
             source = Path(vllm_wheel)
             if not source.is_file():
                 raise WheelBuildError(f"no such wheel: {source}")
-        else:
+        elif vllm_release:
             print_(f"downloading vLLM {vllm_release} from {index_url} (sha256 checked)")
             source = download_verified(vllm_release, index_url)
+        else:
+            raise WheelBuildError("give --vllm-wheel PATH or --vllm VERSION")
         target = build(source, Path(out_dir), build_number)
     except WheelBuildError as exc:
         print_(f"build-wheel: {exc}")
