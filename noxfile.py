@@ -214,6 +214,24 @@ def _gpu_session(release: str):
     )
 
 
+# What release-check needs besides uv: twine checks the metadata as PyPI will.
+RELEASE_TOOLS = ("twine==7.0.0",)
+
+
+@nox.session(python="3.11", name="release-check", default=False)
+def release_check(session: nox.Session) -> None:
+    """Every step of the release workflow except publishing, on CPU: nox -s
+    release-check [-- STAGE ARGS] (default: all dist/release, every shipped release)."""
+    session.install(*RELEASE_TOOLS)
+    stage = session.posargs or ["all", str(ROOT / "dist" / "release")]
+    session.run(
+        "python",
+        str(ROOT / "scripts" / "release_check.py"),
+        *stage,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
 @nox.session(python=False, default=False)
 def lock(session: nox.Session) -> None:
     """Pin a release's whole environment: nox -s lock -- 0.34.0 (existing pins are kept)."""
