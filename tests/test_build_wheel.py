@@ -131,7 +131,46 @@ def test_patched_wheel_installs_and_applies_the_025_fixes(built, tmp_path):
         check=True,
     ).stdout.split()
     assert where[0] == PATCHED_VERSION
+    doctor = subprocess.run(
+        [str(venv / "bin" / "vllm-mla-fixes"), "doctor", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(doctor.stdout)
+    assert report["vllm_mla_fixes"] == vllm_mla_fixes.__version__
+    # the package arrived inside vLLM's wheel: doctor must not call it missing
+    assert report["environment"]["packages"]["vllm-mla-fixes"] == (
+        f"{vllm_mla_fixes.__version__} (inside vllm {PATCHED_VERSION})"
+    )
+    assert not [f for f in report["findings"] if "not installed" in f["message"]]
     assert where[1].startswith(str(venv))  # the copy inside the patched wheel, not this checkout
+
+
+def test_release_download_is_checked_with_sha256sum(built, tmp_path):
+    """README "Install", way 2: the patched wheel and SHA256SUMS from a release,
+    checked with ``sha256sum -c --ignore-missing SHA256SUMS`` before installing."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import release_check
+
+    _, patched = built
+    release = tmp_path / "release"
+    (release / "vllm").mkdir(parents=True)
+    os.link(patched, release / "vllm" / patched.name)  # the artifact as the release stages it
+    sums = release_check.write_sums(release)
+    downloads = tmp_path / "downloads"  # what the operator downloaded: one wheel and the sums
+    downloads.mkdir()
+    os.link(patched, downloads / patched.name)
+    (downloads / "SHA256SUMS").write_bytes(sums.read_bytes())
+    check = ["sha256sum", "-c", "--ignore-missing", "SHA256SUMS"]
+    proc = subprocess.run(check, cwd=downloads, capture_output=True, text=True)
+    assert proc.returncode == 0 and f"{patched.name}: OK" in proc.stdout, proc.stdout + proc.stderr
+    (downloads / patched.name).unlink()
+    (downloads / patched.name).write_bytes(b"a truncated or substituted download")
+    proc = subprocess.run(check, cwd=downloads, capture_output=True, text=True)
+    assert proc.returncode == 1 and f"{patched.name}: FAILED" in proc.stdout
 
 
 class _Index(http.server.SimpleHTTPRequestHandler):

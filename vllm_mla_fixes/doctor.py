@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import shlex
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
 from vllm_mla_fixes import __version__
@@ -66,6 +66,17 @@ def _package_version(name: str) -> str | None:
         return None
 
 
+def _plugin_version() -> str | None:
+    """vllm-mla-fixes where vLLM runs: its own distribution, or the patched vLLM
+    wheel (``build-wheel``) that carries the package inside it."""
+    own = _package_version("vllm-mla-fixes")
+    if own is not None:
+        return own
+    if "vllm" in packages_distributions().get("vllm_mla_fixes", ()):
+        return f"{__version__} (inside vllm {_package_version('vllm')})"
+    return None
+
+
 def _gpu() -> tuple[str | None, tuple[int, int] | None, str | None]:
     """Name and compute capability of GPU 0 through NVML (no CUDA context), else torch."""
     try:
@@ -116,7 +127,9 @@ def _fix_states() -> dict[str, dict[str, str]]:
 def read_environment(load_plugins: bool = True) -> Environment:
     name, capability, torch_cuda = _gpu()
     return Environment(
-        packages={p: _package_version(p) for p in PACKAGES},
+        packages={
+            p: _plugin_version() if p == "vllm-mla-fixes" else _package_version(p) for p in PACKAGES
+        },
         gpu=name,
         capability=capability,
         torch_cuda=torch_cuda,
