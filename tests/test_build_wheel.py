@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import vllm_mla_fixes
 from vllm_mla_fixes import wheel as wheel_builder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,15 +38,19 @@ def built(tmp_path_factory):
     return upstream, patched
 
 
+# The local label names the plugin release inside, then the rebuild number.
+PATCHED_VERSION = f"0.25.1+mlafixes.{vllm_mla_fixes.__version__}.build3"
+
+
 def test_name_version_and_metadata(built):
     upstream, patched = built
-    assert patched.name == upstream.name.replace("vllm-0.25.1-", "vllm-0.25.1+mlafixes.3-")
+    assert patched.name == upstream.name.replace("vllm-0.25.1-", f"vllm-{PATCHED_VERSION}-")
     with zipfile.ZipFile(patched) as z:
-        info = "vllm-0.25.1+mlafixes.3.dist-info/"
+        info = f"vllm-{PATCHED_VERSION}.dist-info/"
         metadata = z.read(info + "METADATA").decode()
         entry_points = z.read(info + "entry_points.txt").decode()
         assert not any(n.startswith("vllm-0.25.1.dist-info/") for n in z.namelist())
-    assert "\nVersion: 0.25.1+mlafixes.3\n" in metadata
+    assert f"\nVersion: {PATCHED_VERSION}\n" in metadata
     assert "[vllm.general_plugins]" in entry_points
     assert "mla_fixes = vllm_mla_fixes:register" in entry_points
     assert "lora_filesystem_resolver = " in entry_points  # vLLM's own plugins stay
@@ -110,6 +115,7 @@ def test_patched_wheel_installs_and_applies_the_025_fixes(built, tmp_path):
     ).stdout
     report = json.loads(out[out.index("{") :])
     assert report["vllm"] == "0.25.1"  # vllm.__version__ is upstream's
+    assert report["vllm_mla_fixes"] == vllm_mla_fixes.__version__
     states = {f["name"]: f["state"] for f in report["fixes"]}
     assert states["fp8-ds-mla-reshape"] == "applied"
     where = subprocess.run(
@@ -124,8 +130,47 @@ def test_patched_wheel_installs_and_applies_the_025_fixes(built, tmp_path):
         text=True,
         check=True,
     ).stdout.split()
-    assert where[0] == "0.25.1+mlafixes.3"
+    assert where[0] == PATCHED_VERSION
+    doctor = subprocess.run(
+        [str(venv / "bin" / "vllm-mla-fixes"), "doctor", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(doctor.stdout)
+    assert report["vllm_mla_fixes"] == vllm_mla_fixes.__version__
+    # the package arrived inside vLLM's wheel: doctor must not call it missing
+    assert report["environment"]["packages"]["vllm-mla-fixes"] == (
+        f"{vllm_mla_fixes.__version__} (inside vllm {PATCHED_VERSION})"
+    )
+    assert not [f for f in report["findings"] if "not installed" in f["message"]]
     assert where[1].startswith(str(venv))  # the copy inside the patched wheel, not this checkout
+
+
+def test_release_download_is_checked_with_sha256sum(built, tmp_path):
+    """README "Install", way 2: the patched wheel and SHA256SUMS from a release,
+    checked with ``sha256sum -c --ignore-missing SHA256SUMS`` before installing."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import release_check
+
+    _, patched = built
+    release = tmp_path / "release"
+    (release / "vllm").mkdir(parents=True)
+    os.link(patched, release / "vllm" / patched.name)  # the artifact as the release stages it
+    sums = release_check.write_sums(release)
+    downloads = tmp_path / "downloads"  # what the operator downloaded: one wheel and the sums
+    downloads.mkdir()
+    os.link(patched, downloads / patched.name)
+    (downloads / "SHA256SUMS").write_bytes(sums.read_bytes())
+    check = ["sha256sum", "-c", "--ignore-missing", "SHA256SUMS"]
+    proc = subprocess.run(check, cwd=downloads, capture_output=True, text=True)
+    assert proc.returncode == 0 and f"{patched.name}: OK" in proc.stdout, proc.stdout + proc.stderr
+    (downloads / patched.name).unlink()
+    (downloads / patched.name).write_bytes(b"a truncated or substituted download")
+    proc = subprocess.run(check, cwd=downloads, capture_output=True, text=True)
+    assert proc.returncode == 1 and f"{patched.name}: FAILED" in proc.stdout
 
 
 class _Index(http.server.SimpleHTTPRequestHandler):

@@ -214,9 +214,13 @@ def test_build_wheel_bad_inputs_in_the_users_environment(user_env, tmp_path):
 @pytest.mark.vllm_release("0.25.1")
 def test_build_wheel_without_the_wheel_package(user_env, tmp_path):
     """The issue's case: vLLM 0.25.1 installed by uv, no `wheel` package."""
+    import vllm_mla_fixes
     from vllm_mla_fixes import wheel as wheel_builder
 
     upstream = wheel_builder.download_verified("0.25.1")
     proc = cli(user_env, "build-wheel", "--vllm-wheel", str(upstream), "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / upstream.name.replace("vllm-0.25.1-", "vllm-0.25.1+mlafixes.1-")).is_file()
+    label = f"+mlafixes.{vllm_mla_fixes.__version__}"  # the plugin release the wheel carries
+    patched = tmp_path / upstream.name.replace("vllm-0.25.1-", f"vllm-0.25.1{label}-")
+    assert patched.is_file()
+    assert f"sha256   {wheel_builder._sha256(patched)}  {patched.name}" in proc.stdout

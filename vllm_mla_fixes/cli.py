@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import vllm_mla_fixes
 from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
@@ -23,7 +24,7 @@ def _check_selection() -> str | None:
 
 
 @contextlib.contextmanager
-def logs_to_stderr():
+def logs_to_stderr() -> Iterator[None]:
     """While vLLM and the plugins load, send everything they write to stderr,
     so stdout carries our output alone (``--json`` is exactly one document).
 
@@ -43,7 +44,7 @@ def logs_to_stderr():
         os.close(saved)
 
 
-def cmd_status(args) -> int:
+def cmd_status(args: argparse.Namespace) -> int:
     problem = _check_selection()
     if problem:
         print(problem, file=sys.stderr)
@@ -73,7 +74,14 @@ def cmd_status(args) -> int:
     ]
     if args.json:
         print(
-            json.dumps({"vllm": vllm_mla_fixes.installed_vllm_version(), "fixes": rows}, indent=2)
+            json.dumps(
+                {
+                    "vllm": vllm_mla_fixes.installed_vllm_version(),
+                    "vllm_mla_fixes": vllm_mla_fixes.__version__,
+                    "fixes": rows,
+                },
+                indent=2,
+            )
         )
         return 0
     print(
@@ -85,7 +93,7 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import verify
 
     _cpu_triton_for_selftest()
@@ -105,7 +113,7 @@ def _cpu_triton_for_selftest() -> None:
         prepare_process_env()
 
 
-def cmd_doctor(args) -> int:
+def cmd_doctor(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import doctor
 
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
@@ -118,7 +126,7 @@ def cmd_doctor(args) -> int:
     return doctor.report(env, serve, findings, as_json=args.json)
 
 
-def cmd_selftest(args) -> int:
+def cmd_selftest(args: argparse.Namespace) -> int:
     from vllm_mla_fixes.selftest.verdicts import EXIT_CANNOT_RUN
 
     try:
@@ -150,7 +158,7 @@ def cmd_selftest(args) -> int:
     return report.exit_status
 
 
-def cmd_smoke(args) -> int:
+def cmd_smoke(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import smoke
 
     result = smoke.run(
@@ -164,13 +172,13 @@ def cmd_smoke(args) -> int:
     return 0 if result.ok else 1
 
 
-def cmd_build_wheel(args) -> int:
+def cmd_build_wheel(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import wheel
 
     return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
 
 
-def cmd_review(args) -> int:
+def cmd_review(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import review
 
     return review.run(args.vllm, args.vllm_wheel, args.against, args.index_url)
@@ -240,7 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm", metavar="VERSION", help="download this vLLM release (sha256 checked)"
     )
     build.add_argument("--out", default="dist", help="output directory (default: dist)")
-    build.add_argument("--build-number", type=int, default=1, help="N in +mlafixes.N (default: 1)")
+    build.add_argument(
+        "--build-number",
+        type=int,
+        default=None,
+        help="append .buildN to the version (+mlafixes.<plugin version>.buildN), for a "
+        "rebuild of the same vLLM and plugin versions (default: none)",
+    )
     build.add_argument(
         "--index-url",
         default="https://pypi.org/simple",

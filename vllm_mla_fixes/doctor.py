@@ -13,9 +13,10 @@ import dataclasses
 import json
 import os
 import shlex
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
+from vllm_mla_fixes import __version__
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import release_decision
 from vllm_mla_fixes.report import (
@@ -63,6 +64,17 @@ def _package_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
+
+
+def _plugin_version() -> str | None:
+    """vllm-mla-fixes where vLLM runs: its own distribution, or the patched vLLM
+    wheel (``build-wheel``) that carries the package inside it."""
+    own = _package_version("vllm-mla-fixes")
+    if own is not None:
+        return own
+    if "vllm" in packages_distributions().get("vllm_mla_fixes", ()):
+        return f"{__version__} (inside vllm {_package_version('vllm')})"
+    return None
 
 
 def _gpu() -> tuple[str | None, tuple[int, int] | None, str | None]:
@@ -115,7 +127,9 @@ def _fix_states() -> dict[str, dict[str, str]]:
 def read_environment(load_plugins: bool = True) -> Environment:
     name, capability, torch_cuda = _gpu()
     return Environment(
-        packages={p: _package_version(p) for p in PACKAGES},
+        packages={
+            p: _plugin_version() if p == "vllm-mla-fixes" else _package_version(p) for p in PACKAGES
+        },
         gpu=name,
         capability=capability,
         torch_cuda=torch_cuda,
@@ -298,6 +312,7 @@ def report(
         print_(
             json.dumps(
                 {
+                    "vllm_mla_fixes": __version__,
                     "environment": dataclasses.asdict(env),
                     "serve": dataclasses.asdict(serve) if serve else None,
                     "findings": [dataclasses.asdict(f) for f in findings],
@@ -313,6 +328,7 @@ def report(
 def _print_human(
     env: Environment, serve: ServeLine | None, findings: list[Finding], print_
 ) -> None:
+    print_(f"vllm-mla-fixes {__version__} doctor")
     print_("Environment")
     for name, ver in env.packages.items():
         print_(f"  {name:<22} {ver or '-'}")

@@ -24,11 +24,12 @@ import enum
 import functools
 import hashlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import logging
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -149,7 +150,7 @@ _source_root: Path | None = None  # set by sources_from(); None: the installed v
 
 
 @contextlib.contextmanager
-def sources_from(root: Path):
+def sources_from(root: Path) -> Iterator[None]:
     """Inside this block, :func:`vllm_source` (and everything built on it)
     reads the packages under ``root`` -- e.g. a vLLM wheel's unpacked
     ``vllm/`` -- instead of the installed ones."""
@@ -185,11 +186,15 @@ def vllm_source(module_name: str) -> tuple[str, ast.Module]:
     raise TargetMismatch(f"{module_name} has no Python source")
 
 
-def find_definition(tree: ast.AST, qualname: str) -> ast.AST | None:
+Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def find_definition(tree: ast.AST, qualname: str) -> Definition | None:
     """The class or function ``qualname`` ("Class.method", "function") in ``tree``."""
-    scope = tree
+    scope: ast.AST = tree
+    found: Definition | None = None
     for part in qualname.split("."):
-        scope = next(
+        found = next(
             (
                 node
                 for node in ast.iter_child_nodes(scope)
@@ -198,9 +203,10 @@ def find_definition(tree: ast.AST, qualname: str) -> ast.AST | None:
             ),
             None,
         )
-        if scope is None:
+        if found is None:
             return None
-    return scope
+        scope = found
+    return found
 
 
 def definition_source(module_name: str, qualname: str) -> str:
@@ -208,7 +214,10 @@ def definition_source(module_name: str, qualname: str) -> str:
     node = find_definition(tree, qualname)
     if node is None:
         raise TargetMismatch(f"{module_name}.{qualname} does not exist")
-    return textwrap.dedent(ast.get_source_segment(text, node, padded=True))
+    segment = ast.get_source_segment(text, node, padded=True)
+    if segment is None:  # only a tree built by hand lacks positions
+        raise TargetMismatch(f"{module_name}.{qualname} has no source positions")
+    return textwrap.dedent(segment)
 
 
 def definition_fingerprint(module_name: str, qualname: str) -> str:
@@ -297,7 +306,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if self in sys.meta_path:
             sys.meta_path.remove(self)
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.module_name:
             return None
         self.remove()  # one shot; also keeps the lookup below from recursing
@@ -311,7 +322,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             run_module(module)
             callback(module)
 
-        spec.loader.exec_module = exec_then_patch
+        # this one loader instance only; the class keeps its method
+        spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
         return spec
 
 

@@ -232,9 +232,10 @@ def add_diffs(
         for r in reviews
         if r.in_scope
         for d in r.definitions
-        if d.state in ("changed", "missing") and d.reference_release
+        if d.state in ("changed", "missing") and d.reference_release is not None
     ]
-    for release in sorted({d.reference_release for d in wanted}, key=Version):
+    releases = {d.reference_release for d in wanted if d.reference_release is not None}
+    for release in sorted(releases, key=Version):
         group = [d for d in wanted if d.reference_release == release]
         with (
             unpacked_sources(fetch(release, index_url, log), {d.module for d in group}) as old_root,
@@ -331,6 +332,8 @@ def run(
             if name != "vllm":
                 raise ReviewError(f"{source.name} is not a vLLM wheel")
             version = str(parsed)
+        elif release is None:
+            raise ReviewError("give --vllm VERSION or --vllm-wheel PATH")
         else:
             version = newest_release(index_url) if release == "latest" else release
             try:

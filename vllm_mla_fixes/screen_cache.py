@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import tempfile
@@ -68,7 +69,7 @@ def screen_key(fix: ModuleType) -> str:
     from vllm_mla_fixes import patching
 
     modules = sorted({module for module, _ in fix.REVIEWED})
-    own = [Path(fix.__file__), Path(patching.__file__)]
+    own = [Path(inspect.getfile(fix)), Path(patching.__file__)]
     return _digest(
         [*own, *(source_file(m) for m in modules)],
         [fix.__name__, patching.__name__, *modules],

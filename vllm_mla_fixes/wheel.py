@@ -2,7 +2,7 @@
 
 Takes an upstream vLLM wheel (a local file, or a release downloaded from the
 package index and checked against the index's published sha256) and writes
-``vllm-<ver>+mlafixes.<N>-<tags>.whl``:
+``vllm-<ver>+mlafixes.<plugin version>-<tags>.whl``:
 
 * every upstream file byte-identical (compiled kernels included);
 * this package (``vllm_mla_fixes/``) added, with its general-plugin entry point
@@ -122,13 +122,18 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
 # -- patch --------------------------------------------------------------------------
 
 
-def _patched_version(upstream: Version, build_number: int) -> str:
-    local = (
-        f"{upstream.local}.mlafixes.{build_number}"
-        if upstream.local
-        else f"mlafixes.{build_number}"
-    )
-    return f"{upstream.public}+{local}"
+def _patched_version(upstream: Version, build_number: int | None) -> str:
+    """``<upstream>+mlafixes.<this package's version>[.build<N>]``, after any local
+    label upstream had: the version says which plugin release the wheel carries."""
+    plugin = Version(vllm_mla_fixes.__version__)
+    # A local label allows only [a-z0-9] segments joined by dots; the plugin's
+    # own local part (a checkout's "+g1234") becomes more segments.
+    label = f"mlafixes.{plugin.public}" + (f".{plugin.local}" if plugin.local else "")
+    if build_number is not None:
+        label += f".build{build_number}"
+    if upstream.local:
+        label = f"{upstream.local}.{label}"
+    return f"{upstream.public}+{label}"
 
 
 def _with_entry_points(text: str) -> str:
@@ -184,7 +189,7 @@ def _record_row(arcname: str, data: bytes) -> tuple[str, str, str]:
     return arcname, f"sha256={digest}", str(len(data))
 
 
-def build(upstream_wheel: Path, out_dir: Path, build_number: int = 1) -> Path:
+def build(upstream_wheel: Path, out_dir: Path, build_number: int | None = None) -> Path:
     """Write the patched wheel into ``out_dir`` and return its path."""
     try:
         name, upstream_version, _, _ = parse_wheel_filename(upstream_wheel.name)
@@ -262,7 +267,7 @@ def run(
     vllm_wheel: str | None,
     vllm_release: str | None,
     out_dir: str,
-    build_number: int,
+    build_number: int | None,
     index_url: str,
     print_=print,
 ) -> int:
@@ -271,14 +276,17 @@ def run(
             source = Path(vllm_wheel)
             if not source.is_file():
                 raise WheelBuildError(f"no such wheel: {source}")
-        else:
+        elif vllm_release:
             print_(f"downloading vLLM {vllm_release} from {index_url} (sha256 checked)")
             source = download_verified(vllm_release, index_url)
+        else:
+            raise WheelBuildError("give --vllm-wheel PATH or --vllm VERSION")
         target = build(source, Path(out_dir), build_number)
     except WheelBuildError as exc:
         print_(f"build-wheel: {exc}")
         return 1
     print_(f"upstream {source.name}: {source.stat().st_size / 2**20:.1f} MiB")
     print_(f"patched  {target}: {target.stat().st_size / 2**20:.1f} MiB")
+    print_(f"sha256   {_sha256(target)}  {target.name}")
     print_(f"install with: pip install {target}")
     return 0

@@ -290,9 +290,10 @@ def fresh_forward_cache(interface: ModuleType) -> Any:
     """An empty forward compile cache of the kind vLLM made, on-disk ones in
     a namespace no unpatched process writes to."""
     cache_utils = importlib.import_module(CACHE_MODULE)
-    current = getattr(interface._flash_attn_fwd, "compile_cache", None)
-    persistent = getattr(cache_utils, "JITPersistentCache", None)
-    in_memory = getattr(cache_utils, "JITCache", None)
+    # Any: classes of the installed flash-attention, absent where None
+    current: Any = getattr(interface._flash_attn_fwd, "compile_cache", None)
+    persistent: Any = getattr(cache_utils, "JITPersistentCache", None)
+    in_memory: Any = getattr(cache_utils, "JITCache", None)
     if persistent is not None and type(current) is persistent:
         where = current.cache_path  # <cache dir>/<source fingerprint>/fwd
         namespace = where.parent

@@ -42,7 +42,14 @@ import inspect
 import math
 import sys
 
-from vllm_mla_fixes.patching import FixInfo, Patch, TargetMismatch, find_definition, vllm_source
+from vllm_mla_fixes.patching import (
+    Definition,
+    FixInfo,
+    Patch,
+    TargetMismatch,
+    find_definition,
+    vllm_source,
+)
 
 INFO = FixInfo(
     name="fp8-ds-mla-reshape",
@@ -100,7 +107,7 @@ class KVCacheLayoutMismatch(ValueError):
     """Bytes allocated for a layer's KV cache do not fit the shape asked for."""
 
 
-def _definition(module_name: str, qualname: str) -> ast.AST | None:
+def _definition(module_name: str, qualname: str) -> Definition | None:
     return find_definition(vllm_source(module_name)[1], qualname)
 
 
@@ -168,6 +175,10 @@ def source_screen() -> str | None:
     reshape = _definition(RESHAPE_MODULE, RESHAPE_FUNCTION)
     if reshape is None:
         return f"{RESHAPE_MODULE}.{RESHAPE_FUNCTION} does not exist: views come from the spec"
+    if isinstance(reshape, ast.ClassDef):
+        raise TargetMismatch(
+            f"{RESHAPE_MODULE}.{RESHAPE_FUNCTION} is a class, not the reviewed function"
+        )
     params = tuple(a.arg for a in reshape.args.args)
     if params != RESHAPE_PARAMS:
         raise TargetMismatch(f"{RESHAPE_FUNCTION}{params} is not the reviewed signature")

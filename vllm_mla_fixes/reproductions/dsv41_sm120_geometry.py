@@ -584,6 +584,7 @@ def _verify(report: Callable[[str], None]) -> bool:
             report(f"--block-size {block_size}, upstream: ValueError: {error}")
             ok &= error in START_ERRORS
             continue
+        assert geometry is not None  # start_upstream returns a geometry or an error
         pages = flashinfer_pages(geometry)
         report(f"--block-size {block_size}, upstream: starts; pages: " + _page_summary(pages))
         swa = next(layer for layer in geometry.layers.values() if layer.compress_ratio == 0)

@@ -28,9 +28,12 @@ import concurrent.futures
 import multiprocessing
 import os
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .harness import GeometryResult
+    from .kernels import Device
     from .report import Report
 
 from .verdicts import EXIT_OK
@@ -38,7 +41,7 @@ from .verdicts import EXIT_OK
 DEFAULT_GEOMETRIES = ("split", "fallback", "upstream", "control")
 
 
-def _preflight(device) -> str | None:
+def _preflight(device: Device) -> str | None:
     """Why the self-test cannot run here, or None."""
     from vllm_mla_fixes import installed_vllm_version
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
@@ -69,7 +72,7 @@ def _preflight(device) -> str | None:
     return None
 
 
-def _run_one(name: str, device):
+def _run_one(name: str, device: Device) -> GeometryResult:
     from .harness import run_geometry
 
     return run_geometry(name, device)
@@ -126,7 +129,7 @@ def run_selftest(
     return report
 
 
-def verify(report) -> bool:
+def verify(report: Callable[[str], None]) -> bool:
     """``vllm-mla-fixes verify``'s correctness step for DeepSeek-V4.1: the
     self-test's default geometry and its control on this device."""
     from .report import geometry_verdict
