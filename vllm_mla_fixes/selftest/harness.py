@@ -215,11 +215,24 @@ class Run:
             if changed:
                 self.problem(plan, None, f"{changed} bytes of the cached prefix's pages changed")
         self.read(batch)
-        for name, _, count, _, _ in scheduled:
-            self.scheduler.advance(name, count)
+        accepted = dict(plan.accept)
+        for name, start, count, _, _ in scheduled:
+            self.scheduler.advance(name, count, accepted.get(name))
+            if name in accepted and accepted[name] < count - 1:
+                self.rewind(name, start + 1 + accepted[name], start + count)
         for name in plan.finish:
             self.finished_blocks.update(self.scheduler.held[name])
             self.scheduler.finish(name)
+
+    def rewind(self, name: str, first: int, end: int) -> None:
+        """Rejected drafts at positions [first, end): the tokens that replace
+        them have other KV, so the reference takes new latents there and the
+        next step must overwrite every byte the rejected drafts left."""
+        inputs = self.inputs
+        for table in (inputs.swa, inputs.latent, inputs.k_pre):
+            for rows in table[name].values():
+                rows[first:end] = inputs.randn(end - first, rows.shape[1])
+        self.dense = {key: rows for key, rows in self.dense.items() if key[1] != name}
 
     def problem(self, plan: StepPlan, kernel: str | None, text: str) -> None:
         line = f"{plan.name}: {text}"

@@ -13,7 +13,12 @@ tokens as that takes (the CPU runs vLLM's Triton kernels in an interpreter):
 * A and B decode in a batch padded to four requests, as a FULL CUDA graph runs
   it;
 * ``C`` is admitted after A finished and gets A's freed blocks, whose stale
-  contents vLLM's ``KVBlockZeroer`` clears first.
+  contents vLLM's ``KVBlockZeroer`` clears first;
+* B and C then verify drafts as a speculative decoder (DSpark) does: each
+  request carries 1 + 3 tokens (its sampled token and three drafts), in a
+  batch padded as a FULL CUDA graph runs it (C's tokens cross a 64-state
+  kernel page); C's last two drafts are rejected, so the next verify step
+  rewinds C and writes those positions again, with other KV.
 
 The scheduler side is vLLM's own ``KVCacheManager`` (prefix hits, null blocks
 below a replay, sliding-window block release, the free-block queue, the list of
@@ -44,7 +49,12 @@ CASES: dict[str, str] = {
     "indexer-prefill": "indexer K gathered through the prefill chunks' block tables",
     "graph-padded": "decode batch padded 2 -> 4 requests (FULL CUDA graph), stale slot buffers",
     "freed-blocks": "a prompt on a finished request's freed blocks, stale contents zeroed",
+    "verify": "a verify step: 1 + 3 tokens per request (sampled + drafts), across a 64-state page",
+    "rewind": "2 of 3 drafts rejected: positions rewound and written again with other KV",
+    "graph-padded-draft": "the verify batch padded 2 -> 4 requests, 8 -> 16 tokens (FULL graph)",
 }
+
+DRAFTS = 3  # draft tokens per request in a verify step (num_speculative_tokens)
 
 
 @dataclass(frozen=True)
@@ -52,15 +62,18 @@ class StepPlan:
     name: str
     work: tuple[tuple[str, int | None], ...]  # (request, tokens) in batch order; None: the rest
     cases: tuple[str, ...]
-    pad_to: int = 0  # FULL CUDA-graph padding of requests and tokens
+    pad_to: int = 0  # FULL CUDA-graph padding of requests (and of tokens, unless pad_tokens)
     finish: tuple[str, ...] = ()  # requests that finish after this step
+    pad_tokens: int = 0  # FULL CUDA-graph padding of tokens, where it differs from pad_to
+    # Verify steps: drafts each request accepts; the rejected ones are rewound.
+    accept: tuple[tuple[str, int], ...] = ()
 
 
 PROMPTS: dict[str, tuple[int, str | None, int]] = {
     # name: (prompt length, request whose prompt it starts with, shared length)
     "A": (260, None, 0),
     "B": (276, "A", 256),
-    "C": (40, None, 0),
+    "C": (60, None, 0),  # its drafts, verified at 61-64, cross the 64-state page
 }
 
 TIMELINE: tuple[StepPlan, ...] = (
@@ -81,6 +94,20 @@ TIMELINE: tuple[StepPlan, ...] = (
         ("freed-blocks", "indexer-prefill"),
     ),
     StepPlan("B, C decode", (("B", 1), ("C", 1)), ("freed-blocks",)),
+    StepPlan(
+        "B, C verify 1+3 padded to 4",
+        (("B", 1 + DRAFTS), ("C", 1 + DRAFTS)),
+        ("verify", "graph-padded-draft"),
+        pad_to=4,
+        pad_tokens=4 * (1 + DRAFTS),
+        accept=(("B", DRAFTS), ("C", 1)),
+    ),
+    StepPlan(
+        "B, C verify after C's rewind",
+        (("B", 1 + DRAFTS), ("C", 1 + DRAFTS)),
+        ("verify", "rewind"),
+        accept=(("B", DRAFTS), ("C", DRAFTS)),
+    ),
 )
 
 
@@ -171,8 +198,16 @@ class BlockScheduler:
         )
         return request.num_computed_tokens, count, replay_start
 
-    def advance(self, name: str, count: int) -> None:
-        self.requests[name].num_computed_tokens += count
+    def advance(self, name: str, count: int, accepted: int | None = None) -> None:
+        """After a step: ``count`` tokens were computed; for a verify step,
+        only the sampled token and ``accepted`` drafts stay (vLLM's scheduler
+        takes the rejected ones back from ``num_computed_tokens``)."""
+        request = self.requests[name]
+        if accepted is None:
+            request.num_computed_tokens += count
+            return
+        request.append_output_token_ids([7] * accepted)
+        request.num_computed_tokens += 1 + accepted
 
     def block_ids(self, name: str) -> tuple[list[int], ...]:
         return tuple(list(ids) for ids in self.manager.get_block_ids(name))
@@ -322,7 +357,7 @@ class Worker:
         rows = [self.rows[n] for n in names]
         num_tokens = sum(counts)
         num_reqs = max(plan.pad_to, len(names))
-        padded = max(plan.pad_to, num_tokens)
+        padded = max(plan.pad_tokens or plan.pad_to, num_tokens)
         positions = torch.full((padded,), 0, dtype=torch.int64)
         positions[:num_tokens] = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
         # Graph-padding rows keep whatever the persistent buffer last held.
