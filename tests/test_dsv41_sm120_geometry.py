@@ -465,9 +465,9 @@ def test_geometry_decision_defaults_to_the_split_and_says_why():
             dict(speculative_config=SimpleNamespace(method="eagle3", num_speculative_tokens=2)),
             "speculative method eagle3",
         ),
-        ("kv_connector", "a KV connector is configured"),
+        ("kv_connector", "KV connector NixlConnector is configured"),
         ("dcp", "decode_context_parallel_size is 2"),
-        ("offload", "KV offloading is configured"),
+        ("lmcache", "KV connector LMCacheMPConnector is configured"),
     ],
 )
 def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why):
@@ -476,18 +476,41 @@ def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why
     config = repro.make_vllm_config(128)
     if changes == "kv_connector":
         config.kv_transfer_config = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both"
+            kv_connector="NixlConnector", kv_role="kv_both"
         )
     elif changes == "dcp":
         object.__setattr__(config.parallel_config, "decode_context_parallel_size", 2)
-    elif changes == "offload":
+    elif changes == "lmcache":
         config.cache_config.kv_offloading_size = 8.0
+        config.cache_config.kv_offloading_backend = "lmcache"
     else:
         for name, value in changes.items():
             object.__setattr__(config, name, value)
     with repro.applied((12, 0)):
         geometry, reason = fix.geometry_decision(config)
         assert geometry == fix.PER_RATIO and reason.startswith(why), reason
+
+
+def test_cpu_kv_offloading_keeps_the_split(monkeypatch):
+    """``--kv-offloading-size`` selects vLLM's OffloadingConnector, which moves
+    whole packed blocks (the self-test's offload-reload case); its simple
+    variant (VLLM_USE_SIMPLE_KV_OFFLOAD=1) is not reviewed and falls back."""
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.delenv(fix.SIMPLE_OFFLOAD_ENV, raising=False)
+    offloading = repro.make_vllm_config(128)
+    offloading.cache_config.kv_offloading_size = 8.0
+    explicit = repro.make_vllm_config(128)
+    explicit.kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both"
+    )
+    with repro.applied((12, 0)):
+        for config in (offloading, explicit):
+            assert fix.geometry_decision(config)[0] == fix.SPLIT
+        monkeypatch.setenv(fix.SIMPLE_OFFLOAD_ENV, "1")
+        geometry, reason = fix.geometry_decision(offloading)
+    assert geometry == fix.PER_RATIO
+    assert reason.startswith("KV connector SimpleCPUOffloadConnector is configured")
 
 
 def _dspark(num_speculative_tokens: int = 3):

@@ -208,7 +208,7 @@ def test_split_layout_interleaves_64_row_ratio1_pages(report):
             assert "kernel block" not in line and line.endswith("page stride 138240"), line
     assert "geometry interleaved-split (default on SM12x" in g["status"]
     assert (
-        "geometry per-ratio (a KV connector is configured"
+        "geometry per-ratio (KV connector NixlConnector is configured"
         in _geometry(report, "fallback")["status"]
     )
 

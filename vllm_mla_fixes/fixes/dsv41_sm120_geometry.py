@@ -474,16 +474,48 @@ def _dspark_misfit(vllm_config: Any) -> str | None:
     return None
 
 
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+SIMPLE_OFFLOAD_ENV = "VLLM_USE_SIMPLE_KV_OFFLOAD"
+
+
+def kv_connector_name(vllm_config: Any) -> str | None:
+    """The KV connector the engine runs: the configured one, else the one
+    ``--kv-offloading-size`` selects (``VllmConfig`` does this itself; a
+    serve line read by ``doctor`` has not been through it), else None."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None:
+        return str(getattr(transfer, "kv_connector", None) or "unknown")
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "kv_offloading_size", None) is None:
+        return None
+    if (getattr(cache, "kv_offloading_backend", None) or "native") != "native":
+        return "LMCacheMPConnector"
+    if os.environ.get(SIMPLE_OFFLOAD_ENV, "").strip().lower() in ("1", "true"):
+        return "SimpleCPUOffloadConnector"
+    return OFFLOADING_CONNECTOR
+
+
+def _kv_transfer_trigger(vllm_config: Any) -> str | None:
+    connector = kv_connector_name(vllm_config)
+    if connector is None or connector == OFFLOADING_CONNECTOR:
+        # vLLM's CPU offloading moves a packed layout's whole blocks (every
+        # layer's pages of a block id); the self-test's offload-reload case
+        # clobbers and reloads them through its own transfer regions.
+        return None
+    return (
+        f"KV connector {connector} is configured (not reviewed with the split: it may move "
+        "manager-block pages per layer, where the split's ratio-1 pages interleave)"
+    )
+
+
 def _config_triggers(vllm_config: Any) -> str | None:
     """The first engine setting under which the split is not proven safe."""
     speculative = _speculative_trigger(speculative_method(vllm_config))
     if speculative:
         return speculative
-    cache = getattr(vllm_config, "cache_config", None)
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        return "a KV connector is configured (connectors address manager-block pages per token)"
-    if getattr(cache, "kv_offloading_size", None):
-        return "KV offloading is configured (it moves manager-block pages per token)"
+    transfer = _kv_transfer_trigger(vllm_config)
+    if transfer:
+        return transfer
     parallel = getattr(vllm_config, "parallel_config", None)
     for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(parallel, field, 1) or 1

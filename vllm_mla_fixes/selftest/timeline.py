@@ -52,6 +52,8 @@ CASES: dict[str, str] = {
     "verify": "a verify step: 1 + 3 tokens per request (sampled + drafts), across a 64-state page",
     "rewind": "2 of 3 drafts rejected: positions rewound and written again with other KV",
     "graph-padded-draft": "the verify batch padded 2 -> 4 requests, 8 -> 16 tokens (FULL graph)",
+    "offload-reload": "B's blocks offloaded to CPU and reloaded through the OffloadingConnector's "
+    "own transfer regions over clobbered pages; B's later reads must match",
 }
 
 DRAFTS = 3  # draft tokens per request in a verify step (num_speculative_tokens)
@@ -67,6 +69,8 @@ class StepPlan:
     pad_tokens: int = 0  # FULL CUDA-graph padding of tokens, where it differs from pad_to
     # Verify steps: drafts each request accepts; the rejected ones are rewound.
     accept: tuple[tuple[str, int], ...] = ()
+    # Requests whose blocks are offloaded and reloaded (KV offloading) after the step.
+    offload: tuple[str, ...] = ()
 
 
 PROMPTS: dict[str, tuple[int, str | None, int]] = {
@@ -93,11 +97,16 @@ TIMELINE: tuple[StepPlan, ...] = (
         (("B", 1), ("C", None)),
         ("freed-blocks", "indexer-prefill"),
     ),
-    StepPlan("B, C decode", (("B", 1), ("C", 1)), ("freed-blocks",)),
+    StepPlan(
+        "B, C decode, then B offloaded and reloaded",
+        (("B", 1), ("C", 1)),
+        ("freed-blocks", "offload-reload"),
+        offload=("B",),
+    ),
     StepPlan(
         "B, C verify 1+3 padded to 4",
         (("B", 1 + DRAFTS), ("C", 1 + DRAFTS)),
-        ("verify", "graph-padded-draft"),
+        ("verify", "graph-padded-draft", "offload-reload"),
         pad_to=4,
         pad_tokens=4 * (1 + DRAFTS),
         accept=(("B", DRAFTS), ("C", 1)),
@@ -576,3 +585,48 @@ class _KeptBatch:
         self.seq_lens = batch.seq_lens
         self.block_tables = batch.block_tables
         self.prefilling = batch.prefilling
+
+
+# ------------------------------------------------------------------ offloading
+
+
+def offload_regions(layout: Layout) -> tuple[tuple[int, ...], dict[int, list[tuple[Any, int]]]]:
+    """What vLLM's CPU offloading connector (``--kv-offloading-size``) moves per
+    block id: its worker's own ``register_kv_caches`` on the bound manager
+    views, captured where it hands the regions to its transfer worker.
+    Returns (offloaded group ids, group id -> [(``[num_blocks, bytes]`` tensor,
+    bytes moved per block)])."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_offloading_group_ids,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+
+    captured: list[Any] = []
+
+    class CapturingSpec:  # the OffloadingSpec's part registration uses
+        replicated_layout = False
+
+        def get_worker(self, kv_caches):
+            captured.append(kv_caches)
+
+    # Canonical page mappings ask the model for its KV heads: MLA keeps one latent head.
+    model_config = SimpleNamespace(**vars(layout.config.model_config))
+    model_config.get_total_num_kv_heads = lambda: 1
+    config = SimpleNamespace(**vars(layout.config))
+    config.model_config = model_config
+    worker = OffloadingConnectorWorker.__new__(OffloadingConnectorWorker)
+    worker.spec, worker.vllm_config, worker.kv_cache_config = (
+        CapturingSpec(),
+        config,
+        layout.kv_cache_config,
+    )
+    worker.register_kv_caches({c.name: c.manager_view for c in layout.caches.values()})
+    (caches,) = captured
+    group_ids = tuple(get_offloading_group_ids(layout.kv_cache_config))
+    regions = {
+        gid: [(caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes) for ref in refs]
+        for gid, refs in zip(group_ids, caches.group_data_refs)
+    }
+    return group_ids, regions
