@@ -372,9 +372,15 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
         return line
 
     assert f"the {dsv41.SPLIT} geometry" in geometry_line("--block-size", "64")
-    assert f"the {dsv41.PER_RATIO} geometry (speculative decoding" in geometry_line(
+    assert f"the {dsv41.PER_RATIO} geometry (speculative method mtp" in geometry_line(
         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'
     )
+    dspark = geometry_line(
+        "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 3}'
+    )
+    assert f"the {dsv41.SPLIT} geometry (default on SM12x" in dspark
+    assert "with DSpark: no drafter layer owns or reads a ratio-1" in dspark
+    assert f"the {dsv41.SPLIT} geometry" in geometry_line("--kv-offloading-size", "8")
     assert f"the {dsv41.PER_RATIO} geometry (decode_context_parallel_size is 2" in geometry_line(
         "-dcp", "2"
     )

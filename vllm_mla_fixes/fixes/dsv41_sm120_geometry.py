@@ -58,8 +58,10 @@ How we fix it
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
         ratio-2 128), so the hybrid manager gives each ratio its own group and
         no block is split (0.88x / 0.65x of upstream's capacity).  Used where
-        the split is not proven safe: speculative decoding, a KV connector or
-        KV offloading, DCP/PCP > 1, HiSparse, a KV record other than the V4
+        the split is not proven safe: a speculative method other than DSpark
+        (whose drafter layers hold no ratio-1 cache), ngram or suffix; a KV
+        connector other than vLLM's CPU offloading one (which moves whole
+        packed blocks); DCP/PCP > 1, HiSparse, a KV record other than the V4
         fp8_ds_mla one with the fp8 indexer row, a model whose ratio-1 caches
         do not pair up, a split target whose source was not reviewed, or
         ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``.
@@ -656,8 +658,8 @@ def status_detail() -> str:
     return (
         f"geometry chosen when the model loads: {SPLIT} by default (also with DSpark "
         "drafters that own or read no ratio-1 cache, ngram and suffix), "
-        f"{PER_RATIO} with EAGLE-style or other speculative methods, a KV connector or "
-        "offloading, DCP/PCP > 1, HiSparse, another KV record, ratio-1 caches that do not "
+        f"{PER_RATIO} with EAGLE-style or other speculative methods, a KV connector other "
+        "than CPU offloading, DCP/PCP > 1, HiSparse, another KV record, ratio-1 caches that do not "
         f"pair up, or {GEOMETRY_ENV}=per-ratio"
     )
 

@@ -1,6 +1,6 @@
 """The serving timeline the harness replays, and each step's metadata as vLLM builds it.
 
-Three prompts go through seven steps (:data:`TIMELINE`), chosen so that every
+Three prompts go through nine steps (:data:`TIMELINE`), chosen so that every
 path a default DeepSeek-V4.1 server takes runs at least once, with as few
 tokens as that takes (the CPU runs vLLM's Triton kernels in an interpreter):
 
@@ -18,7 +18,9 @@ tokens as that takes (the CPU runs vLLM's Triton kernels in an interpreter):
   request carries 1 + 3 tokens (its sampled token and three drafts), in a
   batch padded as a FULL CUDA graph runs it (C's tokens cross a 64-state
   kernel page); C's last two drafts are rejected, so the next verify step
-  rewinds C and writes those positions again, with other KV.
+  rewinds C and writes those positions again, with other KV.  Before that,
+  B's blocks are offloaded and reloaded through the regions vLLM's CPU
+  offloading connector registers (:func:`offload_regions`).
 
 The scheduler side is vLLM's own ``KVCacheManager`` (prefix hits, null blocks
 below a replay, sliding-window block release, the free-block queue, the list of
