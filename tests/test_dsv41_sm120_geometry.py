@@ -513,9 +513,22 @@ def test_cpu_kv_offloading_keeps_the_split(monkeypatch):
     assert reason.startswith("KV connector SimpleCPUOffloadConnector is configured")
 
 
-def _dspark(num_speculative_tokens: int = 3):
-    # The two fields the geometry decision and vLLM's planner read.
-    return SimpleNamespace(method="dspark", num_speculative_tokens=num_speculative_tokens)
+def _speculative(method: str, num_speculative_tokens: int = 3):
+    """vLLM's own ``SpeculativeConfig`` with the fields the geometry decision
+    and the planner read (a full one loads the draft model's config)."""
+    from vllm.config import SpeculativeConfig
+
+    config = SpeculativeConfig.__new__(SpeculativeConfig)
+    fields = dict(
+        method=method, num_speculative_tokens=num_speculative_tokens, disable_eagle_block_drop=False
+    )
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config
+
+
+def _dspark():
+    return _speculative("dspark")
 
 
 def test_dspark_keeps_the_split_when_no_drafter_layer_has_a_ratio_1_cache():
@@ -568,9 +581,8 @@ def test_split_bound_with_a_ratio_1_drafter_stops_at_binding_naming_it():
     ],
 )
 def test_each_speculative_method_gets_the_geometry_its_drafter_allows(method, geometry_name, why):
-    spec = SimpleNamespace(method=method, num_speculative_tokens=3)
     with repro.applied((12, 0)):
-        geometry = repro.plan_geometry(128, speculative_config=spec)
+        geometry = repro.plan_geometry(128, speculative_config=_speculative(method))
         name, reason = fix.geometry_decision(geometry.vllm_config)
     assert name == geometry_name and why in reason, reason
 
