@@ -368,9 +368,16 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     assert f"gets the {dsv41.SPLIT} geometry: default on SM12x" in geometry_line(
         "--block-size", "64"
     )
-    assert f"gets the {dsv41.PER_RATIO} geometry: a KV connector is configured" in (
-        geometry_line("--kv-offloading-size", "4")
+    assert f"gets the {dsv41.PER_RATIO} geometry: speculative method mtp" in geometry_line(
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'
     )
+    dspark = geometry_line(
+        "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 3}'
+    )
+    assert f"gets the {dsv41.SPLIT} geometry: default on SM12x" in dspark
+    assert "with DSpark: no drafter layer owns or reads a ratio-1" in dspark
+    # vLLM's CPU offloading moves whole packed blocks: the split stays
+    assert f"gets the {dsv41.SPLIT} geometry" in geometry_line("--kv-offloading-size", "4")
     # vLLM's own checks speak for a line it would refuse: its config, and its
     # planner (DeepSeek-V4.1's sliding-window caches cannot take DCP)
     with pytest.raises(ValueError, match="tp_size=1 must be divisible by dcp_size=2"):

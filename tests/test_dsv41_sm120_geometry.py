@@ -462,12 +462,12 @@ def test_geometry_decision_defaults_to_the_split_and_says_why():
     "changes, why",
     [
         (
-            dict(speculative_config=SimpleNamespace(num_speculative_tokens=2)),
-            "speculative decoding",
+            dict(speculative_config=SimpleNamespace(method="eagle3", num_speculative_tokens=2)),
+            "speculative method eagle3",
         ),
-        ("kv_connector", "a KV connector is configured"),
+        ("kv_connector", "KV connector NixlConnector is configured"),
         ("dcp", "decode_context_parallel_size is 2"),
-        ("offload", "KV offloading is configured"),
+        ("lmcache", "KV connector LMCacheMPConnector is configured"),
     ],
 )
 def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why):
@@ -476,18 +476,115 @@ def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why
     config = repro.make_vllm_config(128)
     if changes == "kv_connector":
         config.kv_transfer_config = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both"
+            kv_connector="NixlConnector", kv_role="kv_both"
         )
     elif changes == "dcp":
         object.__setattr__(config.parallel_config, "decode_context_parallel_size", 2)
-    elif changes == "offload":
+    elif changes == "lmcache":
         config.cache_config.kv_offloading_size = 8.0
+        config.cache_config.kv_offloading_backend = "lmcache"
     else:
         for name, value in changes.items():
             object.__setattr__(config, name, value)
     with repro.applied((12, 0)):
         geometry, reason = fix.geometry_decision(config)
         assert geometry == fix.PER_RATIO and reason.startswith(why), reason
+
+
+def test_cpu_kv_offloading_keeps_the_split(monkeypatch):
+    """``--kv-offloading-size`` selects vLLM's OffloadingConnector, which moves
+    whole packed blocks (the self-test's offload-reload case); its simple
+    variant (VLLM_USE_SIMPLE_KV_OFFLOAD=1) is not reviewed and falls back."""
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.delenv(fix.SIMPLE_OFFLOAD_ENV, raising=False)
+    offloading = repro.make_vllm_config(128)
+    offloading.cache_config.kv_offloading_size = 8.0
+    explicit = repro.make_vllm_config(128)
+    explicit.kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both"
+    )
+    with repro.applied((12, 0)):
+        for config in (offloading, explicit):
+            assert fix.geometry_decision(config)[0] == fix.SPLIT
+        monkeypatch.setenv(fix.SIMPLE_OFFLOAD_ENV, "1")
+        geometry, reason = fix.geometry_decision(offloading)
+    assert geometry == fix.PER_RATIO
+    assert reason.startswith("KV connector SimpleCPUOffloadConnector is configured")
+
+
+def _speculative(method: str, num_speculative_tokens: int = 3):
+    """vLLM's own ``SpeculativeConfig`` with the fields the geometry decision
+    and the planner read (a full one loads the draft model's config)."""
+    from vllm.config import SpeculativeConfig
+
+    config = SpeculativeConfig.__new__(SpeculativeConfig)
+    fields = dict(
+        method=method, num_speculative_tokens=num_speculative_tokens, disable_eagle_block_drop=False
+    )
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config
+
+
+def _dspark():
+    return _speculative("dspark")
+
+
+def test_dspark_keeps_the_split_when_no_drafter_layer_has_a_ratio_1_cache():
+    """DeepSeek-V4.1-Flash with DSpark's three sliding-window drafter layers
+    (numbered 40-42, past the backbone): the split stays, says why, and its
+    ratio-1 pages are still interleaved 64-state pages."""
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
+        geometry_name, reason = fix.geometry_decision(geometry.vllm_config)
+        assert geometry_name == fix.SPLIT, reason
+        assert "with DSpark: no drafter layer owns or reads a ratio-1" in reason
+        assert geometry.specs["model.layers.20.attn"].block_size == fix.SPLIT_MANAGER_BLOCK
+        assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.PAGE_ROWS
+        assert "geometry interleaved-split" in fix.status_detail()
+
+
+def test_dspark_drafter_with_a_ratio_1_cache_falls_back_and_names_the_layer():
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 1, 0))
+        geometry_name, reason = fix.geometry_decision(geometry.vllm_config)
+    assert geometry_name == fix.PER_RATIO
+    assert reason == (
+        "speculative method dspark with model.layers.41.attn (drafter layer that reads a "
+        "ratio-1 compressed cache): its ratio-1 slots are not translated"
+    )
+
+
+def test_split_bound_with_a_ratio_1_drafter_stops_at_binding_naming_it():
+    """The check where caches are bound: a drafter holding a ratio-1 cache
+    beside a bound split (the decision bypassed) stops start-up."""
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0))
+        repro.select_kernel_block_sizes(geometry)
+        repro.allocate_and_bind(geometry)  # the split binds; the drafters pass the check
+        geometry.layers["model.layers.41.attn"].compress_ratio = 1
+        with pytest.raises(fix.PageGeometryError, match=r"model\.layers\.41\.attn \(drafter"):
+            fix.check_no_split_drafter(geometry.forward_context)
+
+
+@pytest.mark.parametrize(
+    "method, geometry_name, why",
+    [
+        ("ngram", fix.SPLIT, "with ngram: drafts come from token ids, no drafter KV"),
+        ("suffix", fix.SPLIT, "with suffix: drafts come from token ids, no drafter KV"),
+        ("eagle", fix.PER_RATIO, "speculative method eagle (its drafter layers write KV"),
+        ("eagle3", fix.PER_RATIO, "speculative method eagle3 (its drafter layers write KV"),
+        ("mtp", fix.PER_RATIO, "speculative method mtp (its drafter layers write KV"),
+        ("dflash", fix.PER_RATIO, "speculative method dflash (its drafter layers write KV"),
+        ("medusa", fix.PER_RATIO, "speculative method medusa is not reviewed with the split"),
+    ],
+)
+def test_each_speculative_method_gets_the_geometry_its_drafter_allows(method, geometry_name, why):
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_speculative(method))
+        name, reason = fix.geometry_decision(geometry.vllm_config)
+    assert name == geometry_name and why in reason, reason
 
 
 def test_operator_can_force_the_fallback(monkeypatch):

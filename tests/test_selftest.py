@@ -139,8 +139,9 @@ def test_fix_geometries_read_back_exactly_in_every_serving_case(report, geometry
         g["tiling_problems"],
         g["ratio1_slot_mismatches"],
     ) == (0, 0, [], 0)
-    # the serving cases ran: freed blocks came back with stale bytes, which vLLM's zeroer cleared
-    assert g["reused_blocks"] > 0 and g["stale_bytes_zeroed"] > 0
+    # the serving cases ran: freed blocks came back with stale bytes, which vLLM's zeroer cleared;
+    # the offloading connector's regions were copied out and back
+    assert g["reused_blocks"] > 0 and g["stale_bytes_zeroed"] > 0 and g["offloaded_bytes"] > 0
 
 
 @pytest.mark.vllm_release(*DSV41)
@@ -208,7 +209,7 @@ def test_split_layout_interleaves_64_row_ratio1_pages(report):
             assert "kernel block" not in line and line.endswith("page stride 138240"), line
     assert "geometry interleaved-split (default on SM12x" in g["status"]
     assert (
-        "geometry per-ratio (a KV connector is configured"
+        "geometry per-ratio (KV connector NixlConnector is configured"
         in _geometry(report, "fallback")["status"]
     )
 

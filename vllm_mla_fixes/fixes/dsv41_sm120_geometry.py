@@ -58,8 +58,10 @@ How we fix it
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
         ratio-2 128), so the hybrid manager gives each ratio its own group and
         no block is split (0.88x / 0.65x of upstream's capacity).  Used where
-        the split is not proven safe: speculative decoding, a KV connector or
-        KV offloading, DCP/PCP > 1, HiSparse, a KV record other than the V4
+        the split is not proven safe: a speculative method other than DSpark
+        (whose drafter layers hold no ratio-1 cache), ngram or suffix; a KV
+        connector other than vLLM's CPU offloading one (which moves whole
+        packed blocks); DCP/PCP > 1, HiSparse, a KV record other than the V4
         fp8_ds_mla one with the fp8 indexer row, a model whose ratio-1 caches
         do not pair up, a split target whose source was not reviewed, or
         ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``.
@@ -368,18 +370,154 @@ _SPLIT_DEFAULT = (
 _state: dict[str, Any] = {"split_unreviewed": None, "decisions": {}}
 
 
+DSPARK = "dspark"
+# Speculative methods that draft from token ids alone: no drafter layer, no
+# drafter KV; the target's verify pass (1 + N tokens, metadata rebuilt and its
+# ratio-1 slots translated every step) is the only writer, as without drafting.
+TOKEN_ONLY_METHODS = ("ngram", "ngram_gpu", "suffix")
+# Drafters with attention layers of their own that write KV in the target's
+# cache groups and update draft-decode metadata in place: the indexer's
+# ``update_draft_decode_metadata`` recomputes slots only for ratio > 1.
+EAGLE_STYLE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "draft_model")
+
+
+def speculative_method(vllm_config: Any) -> str | None:
+    config = getattr(vllm_config, "speculative_config", None)
+    if config is None:
+        return None
+    return str(getattr(config, "method", None) or "unknown").lower()
+
+
+def _speculative_trigger(method: str | None) -> str | None:
+    """Why the split is not used with this speculative method, or None (the
+    per-method reasons are what ``status``, ``doctor`` and the README say)."""
+    if method is None or method == DSPARK or method in TOKEN_ONLY_METHODS:
+        return None
+    if method in EAGLE_STYLE_METHODS:
+        return (
+            f"speculative method {method} (its drafter layers write KV through their own "
+            "metadata and update draft-decode metadata in place, where the indexer's "
+            "update_draft_decode_metadata recomputes slots only for ratio > 1: not "
+            "reviewed with the split)"
+        )
+    return f"speculative method {method} is not reviewed with the split"
+
+
+def _speculative_note(method: str | None) -> str:
+    """What the in-force split adds to its reason under speculative decoding."""
+    if method == DSPARK:
+        return (
+            "; with DSpark: no drafter layer owns or reads a ratio-1 compressed or indexer "
+            "cache (checked on the model's layers), so only the target's verify pass "
+            "writes ratio-1 pages, through kernel-table slots"
+        )
+    if method in TOKEN_ONLY_METHODS:
+        return (
+            f"; with {method}: drafts come from token ids, no drafter KV; only the target's "
+            "verify pass writes ratio-1 pages, through kernel-table slots"
+        )
+    return ""
+
+
+def drafter_ratio1_layer(
+    forward_context: dict[str, Any], num_backbone_layers: int | None
+) -> str | None:
+    """The first drafter layer that owns or reads a ratio-1 compressed or
+    indexer cache, described, or None.  A drafter layer is one vLLM's
+    speculator marked ``is_draft_layer``, or an attention layer numbered past
+    the backbone."""
+    attention = sys.modules.get(ATTENTION_MODULE)
+    if attention is None:
+        return None
+    for name, layer in forward_context.items():
+        past_backbone = (
+            num_backbone_layers is not None
+            and isinstance(getattr(layer, "layer_id", None), int)
+            and layer.layer_id >= num_backbone_layers
+        )
+        if not (getattr(layer, "is_draft_layer", False) or past_backbone):
+            continue
+        if isinstance(layer, attention.DeepseekV4IndexerCache) and layer.compress_ratio == 1:
+            return f"{name} (drafter indexer cache, compress ratio 1)"
+        if isinstance(layer, attention.DeepseekV4Attention) and layer.compress_ratio == 1:
+            role = "owns" if layer.is_kv_source else "reads"
+            return f"{name} (drafter layer that {role} a ratio-1 compressed cache)"
+    return None
+
+
+def _drafter_layers(forward_context: dict[str, Any]) -> list[str]:
+    return [
+        name for name, layer in forward_context.items() if getattr(layer, "is_draft_layer", False)
+    ]
+
+
+def _backbone_layers(vllm_config: Any) -> int | None:
+    text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    value = getattr(text, "num_hidden_layers", None)
+    return value if isinstance(value, int) else None
+
+
+def _dspark_misfit(vllm_config: Any) -> str | None:
+    """Under DSpark, once the model's layers are registered: why its drafter
+    does not fit the split, or None."""
+    context = getattr(
+        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
+    )
+    if not context:
+        return None
+    if not _drafter_layers(context):
+        return (
+            "speculative method dspark, but no drafter layer is registered with the model's "
+            "layers, so they cannot be checked for ratio-1 caches"
+        )
+    layer = drafter_ratio1_layer(context, _backbone_layers(vllm_config))
+    if layer is not None:
+        return f"speculative method dspark with {layer}: its ratio-1 slots are not translated"
+    return None
+
+
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+SIMPLE_OFFLOAD_ENV = "VLLM_USE_SIMPLE_KV_OFFLOAD"
+
+
+def kv_connector_name(vllm_config: Any) -> str | None:
+    """The KV connector the engine runs: the configured one, else the one
+    ``--kv-offloading-size`` selects (``VllmConfig`` does this itself; a
+    serve line read by ``doctor`` has not been through it), else None."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None:
+        return str(getattr(transfer, "kv_connector", None) or "unknown")
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "kv_offloading_size", None) is None:
+        return None
+    if (getattr(cache, "kv_offloading_backend", None) or "native") != "native":
+        return "LMCacheMPConnector"
+    if os.environ.get(SIMPLE_OFFLOAD_ENV, "").strip().lower() in ("1", "true"):
+        return "SimpleCPUOffloadConnector"
+    return OFFLOADING_CONNECTOR
+
+
+def _kv_transfer_trigger(vllm_config: Any) -> str | None:
+    connector = kv_connector_name(vllm_config)
+    if connector is None or connector == OFFLOADING_CONNECTOR:
+        # vLLM's CPU offloading moves a packed layout's whole blocks (every
+        # layer's pages of a block id); the self-test's offload-reload case
+        # clobbers and reloads them through its own transfer regions.
+        return None
+    return (
+        f"KV connector {connector} is configured (not reviewed with the split: it may move "
+        "manager-block pages per layer, where the split's ratio-1 pages interleave)"
+    )
+
+
 def _config_triggers(vllm_config: Any) -> str | None:
     """The first engine setting under which the split is not proven safe."""
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        return (
-            "speculative decoding is configured (drafters and draft-decode metadata "
-            "updates address manager-block slots; not reviewed with the split)"
-        )
-    cache = getattr(vllm_config, "cache_config", None)
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        return "a KV connector is configured (connectors address manager-block pages per token)"
-    if getattr(cache, "kv_offloading_size", None):
-        return "KV offloading is configured (it moves manager-block pages per token)"
+    speculative = _speculative_trigger(speculative_method(vllm_config))
+    if speculative:
+        return speculative
+    transfer = _kv_transfer_trigger(vllm_config)
+    if transfer:
+        return transfer
     parallel = getattr(vllm_config, "parallel_config", None)
     for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(parallel, field, 1) or 1
@@ -461,10 +599,15 @@ def _decide(vllm_config: Any) -> Decision:
     trigger = _config_triggers(vllm_config)
     if trigger:
         return Decision(PER_RATIO, trigger)
+    method = speculative_method(vllm_config)
+    if method == DSPARK:
+        misfit = _dspark_misfit(vllm_config)
+        if misfit:
+            return Decision(PER_RATIO, misfit)
     unit, misfit = _ratio1_pair_unit(vllm_config)
     if misfit:
         return Decision(PER_RATIO, misfit)
-    return Decision(SPLIT, _SPLIT_DEFAULT, unit)
+    return Decision(SPLIT, _SPLIT_DEFAULT + _speculative_note(method), unit)
 
 
 def geometry_decision(vllm_config: Any) -> tuple[str, str]:
@@ -513,9 +656,11 @@ def status_detail() -> str:
     if _state["split_unreviewed"]:
         return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
     return (
-        f"geometry chosen when the model loads: {SPLIT} by default, {PER_RATIO} with "
-        "speculative decoding, a KV connector or offloading, DCP/PCP > 1, HiSparse, another "
-        f"KV record, ratio-1 caches that do not pair up, or {GEOMETRY_ENV}=per-ratio"
+        f"geometry chosen when the model loads: {SPLIT} by default (also with DSpark "
+        "drafters that own or read no ratio-1 cache, ngram and suffix), "
+        f"{PER_RATIO} with EAGLE-style or other speculative methods, a KV connector other "
+        "than CPU offloading, DCP/PCP > 1, HiSparse, another KV record, ratio-1 caches that do not "
+        f"pair up, or {GEOMETRY_ENV}=per-ratio"
     )
 
 
@@ -915,11 +1060,28 @@ def check_page_geometry(pages: Iterable[CachePage]) -> None:
     )
 
 
+def check_no_split_drafter(forward_context: dict[str, Any]) -> None:
+    """With the split bound, raise :class:`PageGeometryError` if a drafter
+    layer owns or reads a ratio-1 cache (its writes would take manager-block
+    slots); the geometry decision rules this out, this catches anything that
+    bypassed it."""
+    layer = drafter_ratio1_layer(forward_context, None)
+    if layer is None:
+        return
+    raise PageGeometryError(
+        f"vllm-mla-fixes ({INFO.name}): the interleaved split is bound, but {layer}; "
+        "drafter writes to split ratio-1 pages are not translated. "
+        f"Set {GEOMETRY_ENV}=per-ratio and report this with `vllm-mla-fixes doctor`."
+    )
+
+
 def _with_geometry_check(original: Callable) -> Callable:
     @functools.wraps(original)
     def bind_kv_cache_to_layers(kv_caches, forward_context, *args, **kwargs):
         result = original(kv_caches, forward_context, *args, **kwargs)
         check_page_geometry(bound_pages(forward_context))
+        if _INTERLEAVED:
+            check_no_split_drafter(forward_context)
         return result
 
     return bind_kv_cache_to_layers

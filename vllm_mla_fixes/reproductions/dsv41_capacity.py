@@ -28,6 +28,10 @@ UPSTREAM_BLOCK_SIZES = (128, 64)
 BASELINE_BLOCK_SIZE = 128
 DSPARK_OPTIONS = {"method": "dspark", "num_speculative_tokens": 3}
 """The DSpark row's ``--speculative-config`` (the width does not enter the decision)."""
+DSPARK_DRAFTER_RATIOS = (0, 0, 0)
+"""DSpark's drafter layers as vLLM builds them: ``n_mtp_layers`` (else
+``num_nextn_predict_layers``, else 3) sliding-window-only decoder layers
+numbered past the backbone (``models/deepseek_v41/nvidia/dspark.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +195,8 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
         )
     with forced_geometry(None):
         dspark = repro.EngineSettings(
-            attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)}
+            attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
+            drafter_ratios=DSPARK_DRAFTER_RATIOS,
         )
         rows += measure(
             "fixed, default with DSpark (--speculative-config "

@@ -88,7 +88,10 @@ def engine_settings(args: Any):
     """The geometry-relevant parts of the engine config, as vLLM config objects."""
     from vllm.config import CacheConfig, ParallelConfig
 
-    from vllm_mla_fixes.reproductions.dsv41_capacity import speculative_config_as_written
+    from vllm_mla_fixes.reproductions.dsv41_capacity import (
+        DSPARK_DRAFTER_RATIOS,
+        speculative_config_as_written,
+    )
     from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import EngineSettings
 
     cache_fields = {f for f in CacheConfig.__dataclass_fields__}
@@ -115,11 +118,19 @@ def engine_settings(args: Any):
     if args.kv_transfer_config is not None:
         sections["kv_transfer_config"] = args.kv_transfer_config
     attached = {}
+    drafter_ratios: tuple[int, ...] = ()
     if args.speculative_config is not None:
         attached["speculative_config"] = speculative_config_as_written(
             {k.replace("-", "_"): v for k, v in args.speculative_config.items()}
         )
-    return EngineSettings(cache_options=cache_options, sections=sections, attached=attached)
+        if str(args.speculative_config.get("method", "")).lower() == "dspark":
+            drafter_ratios = DSPARK_DRAFTER_RATIOS
+    return EngineSettings(
+        cache_options=cache_options,
+        sections=sections,
+        attached=attached,
+        drafter_ratios=drafter_ratios,
+    )
 
 
 def flashinfer_shapes(heads_per_rank: int, window: int, index_topk: int) -> list[dict]:

@@ -89,6 +89,9 @@ class EngineSettings:
     cache_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     sections: dict[str, Any] = dataclasses.field(default_factory=dict)
     attached: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A drafter's own layers, registered beside the backbone's as its proposer
+    # does (see :func:`build_layers`): one compress ratio per drafter layer.
+    drafter_ratios: tuple[int, ...] = ()
 
 
 def make_vllm_config(
@@ -119,9 +122,14 @@ def make_vllm_config(
     return config
 
 
-def build_layers(vllm_config, model: dict) -> dict[str, Any]:
+def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ()) -> dict[str, Any]:
     """Register the model's KV-cache layers in ``vllm_config``'s static forward
-    context, as ``DeepseekV41ForCausalLM`` does on SM120; returns the attention layers."""
+    context, as ``DeepseekV41ForCausalLM`` does on SM120; returns the attention layers.
+
+    ``drafter_ratios``: one DSpark drafter layer per entry, numbered past the
+    backbone with that compress ratio (DSpark's own are 0: the ratio list ends
+    with the backbone), built as ``DSparkDeepseekV4Model`` builds its decoder
+    layers and marked ``is_draft_layer`` as vLLM's speculator marks them."""
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention as v41
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -136,8 +144,10 @@ def build_layers(vllm_config, model: dict) -> dict[str, Any]:
     index_sources = set(model["index_source_layer_ids"])
     layers = {}
     with set_current_vllm_config(vllm_config):
-        for layer_id in range(model["num_hidden_layers"]):
+        backbone = model["num_hidden_layers"]
+        for layer_id in range(backbone + len(drafter_ratios)):
             prefix = attention_prefix(layer_id)
+            drafter = layer_id >= backbone
             attn = SM120Attention.__new__(SM120Attention)
             torch.nn.Module.__init__(attn)
             # What DeepseekV4Attention.__init__ sets for the caches, with its helpers.
@@ -145,8 +155,11 @@ def build_layers(vllm_config, model: dict) -> dict[str, Any]:
             attn.layer_id = layer_id
             attn.head_dim = model["head_dim"]
             attn.window_size = model["sliding_window"]
-            attn.compress_ratio = int(ratios[layer_id])
-            attn.is_kv_source = layer_id in kv_sources
+            attn.compress_ratio = int(
+                drafter_ratios[layer_id - backbone] if drafter else ratios[layer_id]
+            )
+            # DeepseekV4Attention.__init__: only backbone layers own caches.
+            attn.is_kv_source = not drafter and layer_id in kv_sources
             attn.kv_cache_dtype, attn.kv_cache_torch_dtype = v41._resolve_dsv4_kv_cache_dtype(
                 attn._uses_fp8_ds_mla_layout(),
                 cache_config.cache_dtype,
@@ -186,6 +199,9 @@ def build_layers(vllm_config, model: dict) -> dict[str, Any]:
                     cache_config=cache_config,
                     compress_ratio=attn.compress_ratio,
                 )
+            if drafter:
+                for name in (prefix, attn.swa_cache_layer.prefix):
+                    context[name].is_draft_layer = True
             layers[prefix] = attn
     return layers
 
@@ -223,10 +239,13 @@ def plan_geometry(
     num_gpu_blocks_override: int | None = 8,
     available_memory: int = 1 << 30,
     settings: EngineSettings | None = None,
+    speculative_config: Any = None,
+    drafter_ratios: tuple[int, ...] = (),
 ) -> Geometry:
     """Layers -> specs -> layout -> groups -> KV-cache config -> attention groups
     -> kernel block sizes, each step vLLM's own (``settings``: the serve
-    line's engine settings, see :class:`EngineSettings`)."""
+    line's engine settings, see :class:`EngineSettings`; ``speculative_config``
+    and ``drafter_ratios`` (see :func:`build_layers`) add a drafter)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.attention.backends.utils import (
@@ -238,7 +257,10 @@ def plan_geometry(
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
     vllm_config = make_vllm_config(block_size, num_gpu_blocks_override, settings)
-    layers = build_layers(vllm_config, DSV41_FLASH if model is None else model)
+    if speculative_config is not None:
+        object.__setattr__(vllm_config, "speculative_config", speculative_config)
+    drafter_ratios = drafter_ratios or (settings.drafter_ratios if settings else ())
+    layers = build_layers(vllm_config, DSV41_FLASH if model is None else model, drafter_ratios)
     specs = get_kv_cache_spec(vllm_config)
     backends = {
         layer.get_attn_backend()

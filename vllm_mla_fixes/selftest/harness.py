@@ -87,6 +87,7 @@ class GeometryResult:
     slot_mismatches: int = 0  # ratio-1 writer slots != ktable[req, pos // k] * k + pos % k
     stale_bytes_zeroed: int = 0
     reused_blocks: int = 0
+    offloaded_bytes: int = 0  # bytes copied out and back by the offload-reload case
     aborted: str | None = None
     seconds: float = 0.0
 
@@ -215,11 +216,62 @@ class Run:
             if changed:
                 self.problem(plan, None, f"{changed} bytes of the cached prefix's pages changed")
         self.read(batch)
-        for name, _, count, _, _ in scheduled:
-            self.scheduler.advance(name, count)
+        for name in plan.offload:
+            self.offload_and_reload(plan, name, block_ids[name])
+        accepted = dict(plan.accept)
+        for name, start, count, _, _ in scheduled:
+            self.scheduler.advance(name, count, accepted.get(name))
+            if name in accepted and accepted[name] < count - 1:
+                self.rewind(name, start + 1 + accepted[name], start + count)
         for name in plan.finish:
             self.finished_blocks.update(self.scheduler.held[name])
             self.scheduler.finish(name)
+
+    def offload_and_reload(self, plan: StepPlan, name: str, block_ids) -> None:
+        """KV offloading of one request: copy out the regions vLLM's offloading
+        connector moves for its blocks, clobber every page its blocks hold in
+        the offloaded groups (as if the GPU blocks had been reused), copy the
+        regions back.  Every byte of those pages must come back; the request's
+        later reads check it again against the dense reference."""
+        from .timeline import offload_regions
+
+        try:
+            group_ids, regions = offload_regions(self.layout)
+        except Exception as exc:  # the connector refusing the layout is a finding
+            self.problem(plan, None, f"offloading connector: {type(exc).__name__}: {exc}")
+            return
+        saved = []
+        for gid in group_ids:
+            ids = torch.tensor([b for b in block_ids[gid] if b], dtype=torch.int64)
+            for tensor, size in regions[gid]:
+                saved.append((tensor, ids, tensor[ids, :size].cpu()))
+        pages = self.layout.mask_of(
+            {
+                cache.name: [b for b in block_ids[cache.group_id] if b]
+                for cache in self.layout.caches.values()
+                if cache.group_id in group_ids
+            },
+            padded=False,  # the connector moves un-padded pages; readers read no padding
+        )
+        storage = self.layout.storage
+        before = storage[pages].clone()
+        storage[pages] = SENTINEL ^ 0xFF
+        for tensor, ids, data in saved:
+            tensor[ids, : data.shape[1]] = data.to(tensor.device)
+        self.result.offloaded_bytes += sum(data.numel() for _, _, data in saved)
+        lost = int((storage[pages] != before).sum())
+        if lost:
+            self.problem(plan, None, f"{name}: {lost} bytes of its pages did not come back")
+
+    def rewind(self, name: str, first: int, end: int) -> None:
+        """Rejected drafts at positions [first, end): the tokens that replace
+        them have other KV, so the reference takes new latents there and the
+        next step must overwrite every byte the rejected drafts left."""
+        inputs = self.inputs
+        for table in (inputs.swa, inputs.latent, inputs.k_pre):
+            for rows in table[name].values():
+                rows[first:end] = inputs.randn(end - first, rows.shape[1])
+        self.dense = {key: rows for key, rows in self.dense.items() if key[1] != name}
 
     def problem(self, plan: StepPlan, kernel: str | None, text: str) -> None:
         line = f"{plan.name}: {text}"

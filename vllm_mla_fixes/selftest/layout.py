@@ -24,7 +24,7 @@ here, because it looks the layers up as fully built attention modules, whose
 
 Geometries (:data:`GEOMETRIES`) differ only in whether and how the fix is
 applied: its default (the interleaved split), its per-ratio fallback (chosen
-by the fix itself because a KV connector is configured), upstream's own
+by the fix itself because a NixlConnector is configured), upstream's own
 layout with the block size upstream starts with on SM12x, and the control
 (the split with the ratio-1 slot translation taken out: the bug class of vLLM
 PR #56509).
@@ -90,7 +90,7 @@ GEOMETRIES: dict[str, Geometry] = {
         Geometry("split", "fix, default: interleaved split", "fix"),
         Geometry(
             "fallback",
-            "fix, fallback: per-ratio (chosen: KV connector configured)",
+            "fix, fallback: per-ratio (chosen: NixlConnector configured)",
             "fix",
             kv_connector=True,
         ),
@@ -165,7 +165,8 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
         compilation_config=CompilationConfig(),
         speculative_config=None,
         kv_transfer_config=(
-            KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+            # A connector the split is not reviewed with (it moves per-layer pages).
+            KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
             if kv_connector
             else None
         ),

@@ -118,6 +118,7 @@ class Report:
                     "ratio1_slot_mismatches": r.slot_mismatches,
                     "stale_bytes_zeroed": r.stale_bytes_zeroed,
                     "reused_blocks": r.reused_blocks,
+                    "offloaded_bytes": r.offloaded_bytes,
                     "layout": r.layout,
                     "cases": {
                         name: {
@@ -204,7 +205,8 @@ class Report:
                 f"{result.foreign_bytes}, page tiling problems "
                 f"{len(result.tiling_problems)}, ratio-1 writer slots off the kernel "
                 f"table {result.slot_mismatches}, stale bytes zeroed "
-                f"{result.stale_bytes_zeroed}, freed blocks reused {result.reused_blocks}"
+                f"{result.stale_bytes_zeroed}, freed blocks reused {result.reused_blocks}, "
+                f"bytes offloaded and reloaded {result.offloaded_bytes}"
             )
             if verdict in (FAIL, BUG, MISSED):
                 for kernel, tally in result.kernels.items():

@@ -1,6 +1,6 @@
 """The serving timeline the harness replays, and each step's metadata as vLLM builds it.
 
-Three prompts go through seven steps (:data:`TIMELINE`), chosen so that every
+Three prompts go through nine steps (:data:`TIMELINE`), chosen so that every
 path a default DeepSeek-V4.1 server takes runs at least once, with as few
 tokens as that takes (the CPU runs vLLM's Triton kernels in an interpreter):
 
@@ -13,7 +13,14 @@ tokens as that takes (the CPU runs vLLM's Triton kernels in an interpreter):
 * A and B decode in a batch padded to four requests, as a FULL CUDA graph runs
   it;
 * ``C`` is admitted after A finished and gets A's freed blocks, whose stale
-  contents vLLM's ``KVBlockZeroer`` clears first.
+  contents vLLM's ``KVBlockZeroer`` clears first;
+* B and C then verify drafts as a speculative decoder (DSpark) does: each
+  request carries 1 + 3 tokens (its sampled token and three drafts), in a
+  batch padded as a FULL CUDA graph runs it (C's tokens cross a 64-state
+  kernel page); C's last two drafts are rejected, so the next verify step
+  rewinds C and writes those positions again, with other KV.  Before that,
+  B's blocks are offloaded and reloaded through the regions vLLM's CPU
+  offloading connector registers (:func:`offload_regions`).
 
 The scheduler side is vLLM's own ``KVCacheManager`` (prefix hits, null blocks
 below a replay, sliding-window block release, the free-block queue, the list of
@@ -44,7 +51,14 @@ CASES: dict[str, str] = {
     "indexer-prefill": "indexer K gathered through the prefill chunks' block tables",
     "graph-padded": "decode batch padded 2 -> 4 requests (FULL CUDA graph), stale slot buffers",
     "freed-blocks": "a prompt on a finished request's freed blocks, stale contents zeroed",
+    "verify": "a verify step: 1 + 3 tokens per request (sampled + drafts), across a 64-state page",
+    "rewind": "2 of 3 drafts rejected: positions rewound and written again with other KV",
+    "graph-padded-draft": "the verify batch padded 2 -> 4 requests, 8 -> 16 tokens (FULL graph)",
+    "offload-reload": "B's blocks offloaded to CPU and reloaded through the OffloadingConnector's "
+    "own transfer regions over clobbered pages; B's later reads must match",
 }
+
+DRAFTS = 3  # draft tokens per request in a verify step (num_speculative_tokens)
 
 
 @dataclass(frozen=True)
@@ -52,15 +66,20 @@ class StepPlan:
     name: str
     work: tuple[tuple[str, int | None], ...]  # (request, tokens) in batch order; None: the rest
     cases: tuple[str, ...]
-    pad_to: int = 0  # FULL CUDA-graph padding of requests and tokens
+    pad_to: int = 0  # FULL CUDA-graph padding of requests (and of tokens, unless pad_tokens)
     finish: tuple[str, ...] = ()  # requests that finish after this step
+    pad_tokens: int = 0  # FULL CUDA-graph padding of tokens, where it differs from pad_to
+    # Verify steps: drafts each request accepts; the rejected ones are rewound.
+    accept: tuple[tuple[str, int], ...] = ()
+    # Requests whose blocks are offloaded and reloaded (KV offloading) after the step.
+    offload: tuple[str, ...] = ()
 
 
 PROMPTS: dict[str, tuple[int, str | None, int]] = {
     # name: (prompt length, request whose prompt it starts with, shared length)
     "A": (260, None, 0),
     "B": (276, "A", 256),
-    "C": (40, None, 0),
+    "C": (60, None, 0),  # its drafts, verified at 61-64, cross the 64-state page
 }
 
 TIMELINE: tuple[StepPlan, ...] = (
@@ -80,7 +99,26 @@ TIMELINE: tuple[StepPlan, ...] = (
         (("B", 1), ("C", None)),
         ("freed-blocks", "indexer-prefill"),
     ),
-    StepPlan("B, C decode", (("B", 1), ("C", 1)), ("freed-blocks",)),
+    StepPlan(
+        "B, C decode, then B offloaded and reloaded",
+        (("B", 1), ("C", 1)),
+        ("freed-blocks", "offload-reload"),
+        offload=("B",),
+    ),
+    StepPlan(
+        "B, C verify 1+3 padded to 4",
+        (("B", 1 + DRAFTS), ("C", 1 + DRAFTS)),
+        ("verify", "graph-padded-draft", "offload-reload"),
+        pad_to=4,
+        pad_tokens=4 * (1 + DRAFTS),
+        accept=(("B", DRAFTS), ("C", 1)),
+    ),
+    StepPlan(
+        "B, C verify after C's rewind",
+        (("B", 1 + DRAFTS), ("C", 1 + DRAFTS)),
+        ("verify", "rewind"),
+        accept=(("B", DRAFTS), ("C", DRAFTS)),
+    ),
 )
 
 
@@ -171,8 +209,16 @@ class BlockScheduler:
         )
         return request.num_computed_tokens, count, replay_start
 
-    def advance(self, name: str, count: int) -> None:
-        self.requests[name].num_computed_tokens += count
+    def advance(self, name: str, count: int, accepted: int | None = None) -> None:
+        """After a step: ``count`` tokens were computed; for a verify step,
+        only the sampled token and ``accepted`` drafts stay (vLLM's scheduler
+        takes the rejected ones back from ``num_computed_tokens``)."""
+        request = self.requests[name]
+        if accepted is None:
+            request.num_computed_tokens += count
+            return
+        request.append_output_token_ids([7] * accepted)
+        request.num_computed_tokens += 1 + accepted
 
     def block_ids(self, name: str) -> tuple[list[int], ...]:
         return tuple(list(ids) for ids in self.manager.get_block_ids(name))
@@ -322,7 +368,7 @@ class Worker:
         rows = [self.rows[n] for n in names]
         num_tokens = sum(counts)
         num_reqs = max(plan.pad_to, len(names))
-        padded = max(plan.pad_to, num_tokens)
+        padded = max(plan.pad_tokens or plan.pad_to, num_tokens)
         positions = torch.full((padded,), 0, dtype=torch.int64)
         positions[:num_tokens] = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
         # Graph-padding rows keep whatever the persistent buffer last held.
@@ -541,3 +587,48 @@ class _KeptBatch:
         self.seq_lens = batch.seq_lens
         self.block_tables = batch.block_tables
         self.prefilling = batch.prefilling
+
+
+# ------------------------------------------------------------------ offloading
+
+
+def offload_regions(layout: Layout) -> tuple[tuple[int, ...], dict[int, list[tuple[Any, int]]]]:
+    """What vLLM's CPU offloading connector (``--kv-offloading-size``) moves per
+    block id: its worker's own ``register_kv_caches`` on the bound manager
+    views, captured where it hands the regions to its transfer worker.
+    Returns (offloaded group ids, group id -> [(``[num_blocks, bytes]`` tensor,
+    bytes moved per block)])."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_offloading_group_ids,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+
+    captured: list[Any] = []
+
+    class CapturingSpec:  # the OffloadingSpec's part registration uses
+        replicated_layout = False
+
+        def get_worker(self, kv_caches):
+            captured.append(kv_caches)
+
+    # Canonical page mappings ask the model for its KV heads: MLA keeps one latent head.
+    model_config = SimpleNamespace(**vars(layout.config.model_config))
+    model_config.get_total_num_kv_heads = lambda: 1
+    config = SimpleNamespace(**vars(layout.config))
+    config.model_config = model_config
+    worker = OffloadingConnectorWorker.__new__(OffloadingConnectorWorker)
+    worker.spec, worker.vllm_config, worker.kv_cache_config = (
+        CapturingSpec(),
+        config,
+        layout.kv_cache_config,
+    )
+    worker.register_kv_caches({c.name: c.manager_view for c in layout.caches.values()})
+    (caches,) = captured
+    group_ids = tuple(get_offloading_group_ids(layout.kv_cache_config))
+    regions = {
+        gid: [(caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes) for ref in refs]
+        for gid, refs in zip(group_ids, caches.group_data_refs)
+    }
+    return group_ids, regions
