@@ -1,7 +1,7 @@
 """dsv41-sm120-geometry at its edges (issue 18, items 5 and 6), on real vLLM 0.32-0.34.
 
 * Workers that chose different geometries reach the engine core's spec merge
-  (vLLM's own function, as the engine core imports it): a clear error naming
+  (vLLM's own function, from the module the engine core imports it from): a clear error naming
   each geometry and its workers, also under ``python -O``, where vLLM's own
   check is a bare ``assert`` and vanishes.
 * A prefix-cache block copy through vLLM's per-cache path (taken when the
@@ -29,13 +29,14 @@ pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
 
 
 def _engine_core_merge():
-    """The spec-merge function as vLLM's engine core calls it, and its extra
-    arguments after ``(vllm_config, kv_cache_specs)``."""
-    from vllm.v1.engine import core
-
-    if hasattr(core, "get_global_kv_cache_groups"):  # 0.33, 0.34
-        return core.get_global_kv_cache_groups, ()
-    return core.get_kv_cache_configs, ([1 << 30, 1 << 30],)  # 0.32
+    """The function vLLM's engine core merges the workers' specs with (it
+    imports it by name from the planner module, which the fix patches), and
+    its extra arguments after ``(vllm_config, kv_cache_specs)``.  Taken from
+    the planner module: importing the engine core costs half a minute here."""
+    planner = repro._planner()
+    if hasattr(planner, "get_global_kv_cache_groups"):  # 0.33, 0.34
+        return planner.get_global_kv_cache_groups, ()
+    return planner.get_kv_cache_configs, ([1 << 30, 1 << 30],)  # 0.32
 
 
 def worker_specs() -> dict:
@@ -102,7 +103,7 @@ WORKERS_DISAGREE_UNDER_O = textwrap.dedent(
     assert False, "this interpreter keeps asserts"
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
     from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
-    from vllm.v1.engine import core
+    from vllm.v1.core import kv_cache_planning
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     with repro.applied((12, 0)):
@@ -113,7 +114,7 @@ WORKERS_DISAGREE_UNDER_O = textwrap.dedent(
             repro.build_layers(config, repro.DSV41_FLASH)
             specs.append(get_kv_cache_spec(config))
         try:
-            core.get_global_kv_cache_groups(repro.make_vllm_config(128), specs)
+            kv_cache_planning.get_global_kv_cache_groups(repro.make_vllm_config(128), specs)
         except fix.PageGeometryError as exc:
             print("PageGeometryError:", exc)
             sys.exit(0)
