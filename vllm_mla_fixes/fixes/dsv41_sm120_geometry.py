@@ -52,7 +52,9 @@ How we fix it
         pos % 64``, computed elementwise from the manager slot into persistent
         per-builder buffers (no allocation or host sync per step; stable
         addresses for CUDA graphs).  Zeroing a newly allocated block clears
-        the block's whole pair region (both caches' interleaved pages).  vLLM's planner then holds 1.118x the
+        the block's whole pair region (both caches' interleaved pages), and a
+        prefix-cache block copy copies that region whole, also on vLLM's
+        per-cache copy path.  vLLM's planner then holds 1.118x the
         tokens of upstream's --block-size 128 layout at 8k and 1.042x at 128k.
     per-ratio (fallback)
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
@@ -65,7 +67,10 @@ How we fix it
         ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``.
 
     The compressed-slot-mapping warm-up also compiles the key of the 64-state
-    pages.  A start-up self-check, run when the KV-cache views are bound to the
+    pages, for the ratios of the caches the fix made.  Only the fix's own
+    backends, caches and specs are touched, so other models on SM12x see no
+    change.  Workers whose specs show different geometries stop the engine
+    core with an error naming each (vLLM's own check is an ``assert``).  A start-up self-check, run when the KV-cache views are bound to the
     layers, raises a clear error naming layer, compress ratio and page size if
     any FlashInfer-bound cache or indexer cache does not have 64-row pages.
     ``--block-size`` no longer decides these caches' pages on SM12x; 64 and 128
