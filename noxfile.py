@@ -274,6 +274,117 @@ def release_check(session: nox.Session) -> None:
     )
 
 
+# vLLM's own unit tests for the code the DeepSeek-V4.1 fix touches, from the
+# release sdist, run twice on a CPU host that reports SM120: fix off, fix on.
+# Every per-test difference must be one the README lists ("vLLM's own tests
+# with the fix"); any other fails the session.
+UPSTREAM_TESTS_RELEASE = "0.34.0"
+UPSTREAM_SDIST = (
+    "https://files.pythonhosted.org/packages/92/21/"
+    "6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff/vllm-0.34.0.tar.gz"
+)
+UPSTREAM_SDIST_SHA256 = "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"
+UPSTREAM_TEST_MODULES = (
+    "tests/v1/attention/*indexer*.py",
+    "tests/v1/attention/*sparse_mla*.py",
+    "tests/v1/attention/*deepseek_v4*.py",
+    "tests/v1/worker/test_utils.py",
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/worker/test_kv_block_zeroer.py",
+    "tests/v1/core/test_contiguous_kv_packing.py",
+)
+# What vLLM's tests import beyond vLLM's own requirements (pins from the
+# sdist's requirements/test/cuda.txt).
+UPSTREAM_TEST_DEPS = ("tblib==3.1.0", "pytest-asyncio==1.4.0", "pytest-mock==3.14.0")
+
+
+def _upstream_sdist(session: nox.Session) -> Path:
+    """The release sdist, downloaded once into the user cache and checked
+    against its pinned sha256 every time it is used."""
+    import hashlib
+    import urllib.request
+
+    cached = ENV_DIR.parent / "sdists" / UPSTREAM_SDIST.rsplit("/", 1)[1]
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(".part")
+        session.log(f"downloading {UPSTREAM_SDIST}")
+        with urllib.request.urlopen(UPSTREAM_SDIST, timeout=300) as response:
+            partial.write_bytes(response.read())
+        partial.replace(cached)
+    digest = hashlib.sha256(cached.read_bytes()).hexdigest()
+    if digest != UPSTREAM_SDIST_SHA256:
+        cached.unlink()
+        session.error(
+            f"{cached.name} has sha256 {digest}, not the pinned {UPSTREAM_SDIST_SHA256}; "
+            "the cached copy was removed"
+        )
+    return cached
+
+
+@nox.session(python="3.11", name=f"upstream-tests-{UPSTREAM_TESTS_RELEASE}", default=False)
+def upstream_tests(session: nox.Session) -> None:
+    """vLLM 0.34.0's own tests of the code the DeepSeek-V4.1 fix touches, fix
+    off then fix on, SM120 pretended on CPU; fails on any unlisted difference."""
+    import tarfile
+
+    release = UPSTREAM_TESTS_RELEASE
+    _install(session, release)
+    python = session.virtualenv.location
+    session.run_install("uv", "pip", "install", "--python", python, *UPSTREAM_TEST_DEPS)
+    sdist = _upstream_sdist(session)
+    tree = Path(session.create_tmp()) / "sdist"
+    shutil.rmtree(tree, ignore_errors=True)
+    top = f"vllm-{release}"
+    with tarfile.open(sdist) as archive:
+        members = [
+            m
+            for m in archive.getmembers()
+            if m.name.startswith(f"{top}/tests/") or m.name == f"{top}/pyproject.toml"
+        ]
+        archive.extractall(tree, members=members, filter="data")
+    root = tree / top
+    modules = sorted(
+        {str(p.relative_to(root)) for pattern in UPSTREAM_TEST_MODULES for p in root.glob(pattern)}
+    )
+    outcomes = Path(session.create_tmp()) / "outcomes"
+    outcomes.mkdir(exist_ok=True)
+    plugin_dir = ROOT / "tests" / "upstream"
+    for mode in ("off", "on"):
+        session.log(f"vLLM {release}'s tests, SM120 pretended, fix {mode}: {len(modules)} modules")
+        with session.chdir(root):
+            session.run(
+                "python",
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "sm120_plugin",
+                "-p",
+                "no:cacheprovider",
+                "--continue-on-collection-errors",
+                *modules,
+                *session.posargs,
+                env={
+                    "PYTHONPATH": str(plugin_dir),
+                    "CUDA_VISIBLE_DEVICES": "",
+                    "HF_HUB_OFFLINE": "1",  # no model downloads; no retries against the hub
+                    # The entry point stays out of it: the pytest plugin applies the fix.
+                    "VLLM_MLA_FIXES": "none",
+                    "VLLM_MLA_FIXES_UPSTREAM_FIX": mode,
+                    "VLLM_MLA_FIXES_UPSTREAM_OUTCOMES": str(outcomes / f"fix-{mode}.json"),
+                },
+                success_codes=[0, 1],  # vLLM's GPU tests fail on a CPU host in both runs
+            )
+    session.run(
+        "python",
+        str(plugin_dir / "compare_outcomes.py"),
+        str(outcomes / "fix-off.json"),
+        str(outcomes / "fix-on.json"),
+        str(ROOT / "README.md"),
+    )
+
+
 @nox.session(python=False, default=False)
 def lock(session: nox.Session) -> None:
     """Pin a release's whole environment: nox -s lock -- 0.34.0 (existing pins are kept)."""

@@ -52,7 +52,9 @@ How we fix it
         pos % 64``, computed elementwise from the manager slot into persistent
         per-builder buffers (no allocation or host sync per step; stable
         addresses for CUDA graphs).  Zeroing a newly allocated block clears
-        the block's whole pair region (both caches' interleaved pages).  vLLM's planner then holds 1.118x the
+        the block's whole pair region (both caches' interleaved pages), and a
+        prefix-cache block copy copies that region whole, also on vLLM's
+        per-cache copy path.  vLLM's planner then holds 1.118x the
         tokens of upstream's --block-size 128 layout at 8k and 1.042x at 128k.
     per-ratio (fallback)
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
@@ -67,7 +69,10 @@ How we fix it
         ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``.
 
     The compressed-slot-mapping warm-up also compiles the key of the 64-state
-    pages.  A start-up self-check, run when the KV-cache views are bound to the
+    pages, for the ratios of the caches the fix made.  Only the fix's own
+    backends, caches and specs are touched, so other models on SM12x see no
+    change.  Workers whose specs show different geometries stop the engine
+    core with an error naming each (vLLM's own check is an ``assert``).  A start-up self-check, run when the KV-cache views are bound to the
     layers, raises a clear error naming layer, compress ratio and page size if
     any FlashInfer-bound cache or indexer cache does not have 64-row pages.
     ``--block-size`` no longer decides these caches' pages on SM12x; 64 and 128
@@ -227,6 +232,10 @@ REVIEWED: dict[tuple[str, str], dict[str, str]] = {
     (COMPRESSOR_MODULE, "DeepseekCompressor.insert_cache"): {
         "15beaa9c9e75793c": "0.32.0, 0.33.0, 0.34.0"
     },
+    (WORKER_UTILS_MODULE, "copy_kv_cache_blocks_inplace"): {
+        "26096f415bb6708b": "0.32.0, 0.33.0",
+        "b7aad7fe8a2aaf0c": "0.34.0",
+    },
 }
 
 SPLIT_TARGETS = frozenset(
@@ -235,6 +244,8 @@ SPLIT_TARGETS = frozenset(
         (WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
         (WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
         (WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"),
+        # wrapped: prefix-cache block copies see each ratio-1 pair region whole
+        (WORKER_UTILS_MODULE, "copy_kv_cache_blocks_inplace"),
         # relied on: kernel block j of block b is b * kernel_block_stride + j; the
         # builders' kernel block size; ratio-1 writers take the builder's
         # ``cm.slot_mapping`` (sparse-MLA and indexer builders, compressor insert)
@@ -367,7 +378,16 @@ _SPLIT_DEFAULT = (
     "default on SM12x: 128-token blocks, ratio-1 compressed/indexer pages "
     "interleaved as 64-state kernel pages"
 )
-_state: dict[str, Any] = {"split_unreviewed": None, "decisions": {}}
+_state: dict[str, Any] = {
+    "split_unreviewed": None,
+    "decisions": {},
+    # The DeepSeek-V4.1 backend classes whose kernel block sizes the fix
+    # declares: only their ratio-1 groups are split.
+    "backends": (),
+    # Compress ratios of the caches the fix's spec producers made (> 1 only):
+    # the warm-up adds its 64-state key for these and no other.
+    "owned_ratios": set(),
+}
 
 
 DSPARK = "dspark"
@@ -720,6 +740,8 @@ def _wrap_spec_producer(cls: type) -> Callable:
         if spec is None:
             return None
         decision = _decision_for_specs(vllm_config)
+        if isinstance(spec.tokens_per_state, int) and spec.tokens_per_state > 1:
+            _state["owned_ratios"].add(spec.tokens_per_state)
         if decision.geometry == SPLIT:
             return split_spec(spec, decision.unit)
         return per_ratio_spec(spec)
@@ -757,11 +779,16 @@ def _swa_cache_with_64_token_blocks(cache_class: type) -> Callable:
 
 def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
     """Also warm the compressed-slot-mapping kernel for the block size it
-    really sees (the states per page, 64), not ``--block-size // ratio``."""
+    really sees (the states per page, 64), not ``--block-size // ratio`` --
+    for the compress ratios of the DeepSeek-V4.1 caches the fix made in this
+    process (a worker builds its specs before it warms up) and no other, so
+    another model's compressed cache (GLM's kpool of ratio 32) keeps
+    upstream's keys."""
 
     @functools.wraps(original)
     def get_warmup_keys(self, vllm_config):
         keys = list(original(self, vllm_config))
+        owned = _state["owned_ratios"]
         extra = [
             self.dispatch(
                 compress_ratio=key.compress_ratio,
@@ -770,6 +797,7 @@ def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
                 cp_interleave=key.cp_interleave,
             )
             for key in keys
+            if key.compress_ratio in owned
         ]
         return list(dict.fromkeys([*keys, *extra]))
 
@@ -780,17 +808,30 @@ def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
 
 
 def _is_split_ratio1(group: Any) -> bool:
+    """A ratio-1 attention group of one of the fix's backends with a kernel
+    block size.  Decided from the group's class and spec alone, so groups of
+    any other backend (other models, test stand-ins) are never asked anything."""
+    backend = group.backend
     return (
         group.kernel_block_size is not None
         and getattr(group.kv_cache_spec, "tokens_per_state", None) == 1
-        and group.backend.get_name() in (FLASHINFER_BACKEND, INDEXER_BACKEND)
+        and isinstance(backend, type)
+        and issubclass(backend, _state["backends"])
     )
 
 
-_INTERLEAVED: dict[tuple[str, Any], tuple[int, int]] = {}
-"""(backend class name, spec) of the attention groups bound to interleaved
-pages -> (unit bytes, bytes from the pair's start to the cache's first kernel
-page); copies of those groups (DBO micro-batches, decoder replay) match too."""
+_INTERLEAVED: dict[tuple[type, Any], tuple[int, int]] = {}
+"""(backend class, spec) of the attention groups bound to interleaved pages ->
+(unit bytes, bytes from the pair's start to the cache's first kernel page);
+copies of those groups (DBO micro-batches, decoder replay) match too."""
+
+
+def _interleaved_placement(group: Any) -> tuple[int, int] | None:
+    """The group's entry in :data:`_INTERLEAVED`, or None.  Groups the fix does
+    not own return None before their spec is hashed or their backend touched."""
+    if not _INTERLEAVED or not _is_split_ratio1(group):
+        return None
+    return _INTERLEAVED.get((group.backend, group.kv_cache_spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -885,11 +926,14 @@ def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str
             (unit // size, *manager.stride()[1:]),
             cache.start // size,
         )
+        pair_start = cache.start - cache.lead
+        for view in (manager, views[cache.layer]):
+            _PAIR_REGIONS[_view_key(view)] = (pair_start, 2 * unit, stride_pages * unit)
     leads = {cache.layer: cache.lead for cache in plan}
     for group in groups:
         group.kernel_block_stride = stride_pages
         lead = next(leads[name] for name in group.layer_names if name in leads)
-        _INTERLEAVED[(group.backend.full_cls_name(), group.kv_cache_spec)] = (unit, lead)
+        _INTERLEAVED[(group.backend, group.kv_cache_spec)] = (unit, lead)
         for builder in group.metadata_builders:
             _slot_buffers(builder)
     return views
@@ -919,7 +963,7 @@ def _with_pair_manager_view(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def map_kv_cache_to_manager_blocks(self, kv_cache, num_blocks):
-        placement = _INTERLEAVED.get((self.backend.full_cls_name(), self.kv_cache_spec))
+        placement = _interleaved_placement(self)
         if placement is None:
             return original(self, kv_cache, num_blocks)
         import torch
@@ -935,6 +979,49 @@ def _with_pair_manager_view(original: Callable) -> Callable:
         )
 
     return map_kv_cache_to_manager_blocks
+
+
+_PAIR_REGIONS: dict[tuple, tuple[int, int, int]] = {}
+"""(device, data pointer, shape, strides) of every view of an interleaved
+ratio-1 cache, manager and kernel -> (byte offset of its pair region in block
+0, pair bytes, block stride bytes).  Keys only: no tensor is kept alive."""
+
+
+def _view_key(view: Any) -> tuple:
+    return (view.device, view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+
+
+def _with_pair_region_copies(original: Callable) -> Callable:
+    """vLLM copies a block for a partial prefix-cache hit through the whole
+    allocation when the allocation is exactly ``num_blocks`` blocks, and
+    otherwise through each cache's own view (an extensible or padded
+    allocation).  An interleaved ratio-1 cache's manager view spans only part
+    of its pair region (the other cache's pages and the page padding lie
+    between its rows), and its kernel view is not a whole number of pages per
+    block, so each is handed over as its block's whole pair region instead;
+    the compressed and indexer caches of one pair then give the same view,
+    which vLLM copies once."""
+
+    @functools.wraps(original)
+    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, kv_cache_block_copies):
+        if _PAIR_REGIONS and kv_cache_block_copies:
+            kv_caches = [_pair_region_view(cache, num_blocks) for cache in kv_caches]
+        return original(kv_caches, num_blocks, kv_cache_block_copies)
+
+    return copy_kv_cache_blocks_inplace
+
+
+def _pair_region_view(cache: Any, num_blocks: int) -> Any:
+    placement = _PAIR_REGIONS.get(_view_key(cache))
+    if placement is None:
+        return cache
+    import torch
+
+    start, pair, block_stride = placement
+    size = cache.element_size()
+    return torch.as_strided(
+        cache, (num_blocks, pair // size), (block_stride // size, 1), start // size
+    )
 
 
 # ------------------------------------------------------------ ratio-1 writer slots
@@ -987,10 +1074,7 @@ def _with_kernel_slots(original: Callable) -> Callable:
     @functools.wraps(original)
     def _with_kernel_block_table(self, common_attn_metadata, ubatch_idx=0):
         metadata = original(self, common_attn_metadata, ubatch_idx)
-        if (
-            self.kernel_block_size is None
-            or (self.backend.full_cls_name(), self.kv_cache_spec) not in _INTERLEAVED
-        ):
+        if _interleaved_placement(self) is None:
             return metadata
         return dataclasses.replace(
             metadata, slot_mapping=kernel_slots(self, metadata.slot_mapping, ubatch_idx)
@@ -1087,6 +1171,91 @@ def _with_geometry_check(original: Callable) -> Callable:
     return bind_kv_cache_to_layers
 
 
+# ------------------------------------------------------- workers must agree
+
+SPEC_MERGE_SITES = (
+    ("vllm.v1.core.kv_cache_utils", "get_kv_cache_configs"),  # 0.32
+    ("vllm.v1.core.kv_cache_planning", "get_global_kv_cache_groups"),  # 0.33, 0.34
+)
+"""Where the engine core merges the workers' KV-cache specs.  vLLM checks
+there that every worker built the same spec for a layer with a bare
+``assert``, which ``python -O`` removes: the first worker's spec then wins
+silently and the others bind caches the planner did not lay out."""
+_MERGE_ASSERT_TEXT = "The KV cache specs for the same layer are different"
+
+
+def specs_geometry(specs: dict[str, Any]) -> str | None:
+    """The DeepSeek-V4.1 geometry one worker's KV-cache specs show (from its
+    compressed-KV caches' block sizes), or None where it has none."""
+    blocks: dict[Any, set[int]] = {}
+    split_aligned = True
+    for spec in specs.values():
+        if getattr(spec, "model_version", None) != "deepseek_v4":
+            continue
+        if getattr(spec, "sliding_window", None) is not None:
+            continue  # the sliding-window cache: 64-token blocks in both geometries
+        ratio = getattr(spec, "tokens_per_state", None)
+        blocks.setdefault(ratio, set()).add(spec.block_size)
+        if ratio == 1 and not isinstance(spec.block_stride_alignment, int):
+            split_aligned = False
+    if not blocks:
+        return None
+    if 1 in blocks and split_aligned and all(b == {SPLIT_MANAGER_BLOCK} for b in blocks.values()):
+        return SPLIT
+    if all(isinstance(r, int) and b == {PAGE_ROWS * r} for r, b in blocks.items()):
+        return PER_RATIO
+    sizes = ", ".join(f"ratio {r}: {sorted(b)}" for r, b in sorted(blocks.items(), key=str))
+    return f"vLLM's own (block sizes {sizes}: the fix is not applied there)"
+
+
+def check_workers_agree(kv_cache_specs: list[dict[str, Any]]) -> None:
+    """Raise :class:`PageGeometryError` when the workers' specs show different
+    DeepSeek-V4.1 geometries, naming each with its workers."""
+    by_geometry: dict[str, list[int]] = {}
+    for worker, specs in enumerate(kv_cache_specs):
+        geometry = specs_geometry(specs)
+        if geometry is not None:
+            by_geometry.setdefault(geometry, []).append(worker)
+    if len(by_geometry) < 2:
+        return
+    found = "; ".join(
+        f"worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}: {geometry}"
+        for geometry, workers in by_geometry.items()
+    )
+    raise PageGeometryError(
+        f"vllm-mla-fixes ({INFO.name}): the workers chose different DeepSeek-V4.1 KV-cache "
+        f"geometries ({found}), so no one layout fits them all.  Each worker decides "
+        f"from its own environment: set {GEOMETRY_ENV} and VLLM_MLA_FIXES alike on every "
+        "node, and install vllm-mla-fixes in every node's environment (with Ray, see the "
+        "README: 'Ray workers'); each worker logs the geometry it chose and why "
+        "('DeepSeek-V4.1 KV geometry ...')."
+    )
+
+
+def _merges_worker_specs(module_name: str, function: str) -> bool:
+    """Whether ``module_name.function`` is the reviewed kind of merge site:
+    ``(vllm_config, kv_cache_specs, ...)`` with vLLM's per-layer assert."""
+    try:
+        text, tree = patching.vllm_source(module_name)
+    except (TargetMismatch, CannotProbe):
+        return False
+    node = patching.find_definition(tree, function)
+    if not isinstance(node, ast.FunctionDef):
+        return False
+    params = [arg.arg for arg in node.args.args[:2]]
+    source = ast.get_source_segment(text, node) or ""
+    return params == ["vllm_config", "kv_cache_specs"] and _MERGE_ASSERT_TEXT in source
+
+
+def _with_workers_agreeing(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def merge_worker_specs(vllm_config, kv_cache_specs, *args, **kwargs):
+        check_workers_agree(kv_cache_specs)
+        return original(vllm_config, kv_cache_specs, *args, **kwargs)
+
+    return merge_worker_specs
+
+
 # ------------------------------------------------------------------------ apply
 
 
@@ -1095,7 +1264,10 @@ def apply(patch: Patch) -> None:
     # targets are patched only when they are the reviewed code.
     _state["split_unreviewed"] = split_unreviewed() or ""
     _state["decisions"] = {}
+    _state["backends"] = ()
+    _state["owned_ratios"] = set()
     _INTERLEAVED.clear()
+    _PAIR_REGIONS.clear()
     split_reviewed = not _state["split_unreviewed"]
 
     def on_attention(module) -> None:
@@ -1107,6 +1279,7 @@ def apply(patch: Patch) -> None:
 
     def on_flashinfer(module) -> None:
         backend = module.DeepseekV4FlashInferMLASparseBackend
+        _state["backends"] += (backend,)
         patch.replace(
             backend,
             "get_supported_kernel_block_sizes",
@@ -1115,6 +1288,7 @@ def apply(patch: Patch) -> None:
 
     def on_indexer(module) -> None:
         backend = module.DeepseekV41IndexerBackend
+        _state["backends"] += (backend,)
         patch.replace(
             backend,
             "get_supported_kernel_block_sizes",
@@ -1150,7 +1324,25 @@ def apply(patch: Patch) -> None:
                 "map_kv_cache_to_manager_blocks",
                 _with_pair_manager_view(group.__dict__["map_kv_cache_to_manager_blocks"]),
             )
+            patch.replace_function(
+                module,
+                "copy_kv_cache_blocks_inplace",
+                _with_pair_region_copies(module.copy_kv_cache_blocks_inplace),
+            )
 
+    def on_spec_merge(function: str) -> Callable:
+        def wrap(module) -> None:
+            # 0.32 merges in kv_cache_utils, 0.33+ in kv_cache_planning; the
+            # other candidate lacks the function and is left alone.
+            if _merges_worker_specs(module.__name__, function):
+                patch.replace_function(
+                    module, function, _with_workers_agreeing(getattr(module, function))
+                )
+
+        return wrap
+
+    for module_name, function in SPEC_MERGE_SITES:
+        patch.when_imported(module_name, on_spec_merge(function))
     patch.when_imported(ATTENTION_MODULE, on_attention)
     patch.when_imported(FLASHINFER_MODULE, on_flashinfer)
     patch.when_imported(INDEXER_MODULE, on_indexer)
