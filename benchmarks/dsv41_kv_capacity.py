@@ -10,7 +10,8 @@ Rows: upstream ``--block-size 128`` (does not run on SM120: the baseline) and
 DeepSeek-V4.1); the fix's default geometry (interleaved split) and its
 fallback (per-ratio, forced with ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``);
 and the geometry the fix's own decision chooses for a serve line with a DSpark
-``--speculative-config``.
+``--speculative-config``, compared with upstream's layouts of the same model
+with DSpark's drafter layers.
 
     CUDA_VISIBLE_DEVICES= python benchmarks/dsv41_kv_capacity.py \
         > benchmarks/results/dsv41_kv_capacity_<release>.txt
@@ -45,8 +46,8 @@ def main() -> None:
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for row in rows:
-        vs128 = row.versus(capacity.baseline(rows, row.max_model_len, 128))
-        vs64 = row.versus(capacity.baseline(rows, row.max_model_len, 64))
+        vs128 = row.versus(capacity.baseline(rows, row.max_model_len, 128, row.drafter_layers))
+        vs64 = row.versus(capacity.baseline(rows, row.max_model_len, 64, row.drafter_layers))
         print(
             f"| {row.label} | {row.max_model_len} | {row.groups} | {row.block_stride} | "
             f"{row.num_blocks} | {row.tokens:,} | {row.concurrency:.2f} | "

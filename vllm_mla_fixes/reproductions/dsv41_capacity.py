@@ -31,7 +31,13 @@ DSPARK_OPTIONS = {"method": "dspark", "num_speculative_tokens": 3}
 DSPARK_DRAFTER_RATIOS = (0, 0, 0)
 """DSpark's drafter layers as vLLM builds them: ``n_mtp_layers`` (else
 ``num_nextn_predict_layers``, else 3) sliding-window-only decoder layers
-numbered past the backbone (``models/deepseek_v41/nvidia/dspark.py``)."""
+numbered past the backbone (``models/deepseek_v41/nvidia/dspark.py``).  doctor
+assumes vLLM's default of 3, the count that costs most capacity (see below)."""
+DSPARK_DRAFTER_COUNTS = (1, 3)
+"""The benchmark's DSpark rows: one drafter layer (a checkpoint whose config
+says so) and vLLM's default of 3.  Three sliding-window layers more make the
+split's hybrid grouping open a tenth KV-cache group, where upstream's
+block-128 grouping absorbs them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Row:
     context_bytes_per_token: float
     geometry: str  # "upstream", or the geometry the fix chose
     reason: str  # why that geometry
+    drafter_layers: int  # a drafter's own layers planned beside the backbone's
 
     def versus(self, baseline: Row) -> float:
         return self.tokens / baseline.tokens
@@ -158,19 +165,27 @@ def measure(
                     context_bytes_per_token=per_token,
                     geometry=geometry,
                     reason=reason,
+                    drafter_layers=len(settings.drafter_ratios) if settings else 0,
                 )
             )
     return rows
 
 
-def upstream_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row]:
+def upstream_rows(
+    max_model_lens: tuple[int, ...] = MAX_MODEL_LENS, drafter_ratios: tuple[int, ...] = ()
+) -> list[Row]:
+    """Upstream's layouts of the same model: with a drafter's layers where the
+    compared line has them, so that both sides hold the same caches."""
+    count = len(drafter_ratios)
+    drafters = f", with {count} drafter layer{'s' if count > 1 else ''}" if count else ""
     return [
         row
         for block_size in UPSTREAM_BLOCK_SIZES
         for row in measure(
-            f"upstream --block-size {block_size} (SWA 32)",
+            f"upstream --block-size {block_size} (SWA 32{drafters})",
             block_size,
             max_model_lens,
+            settings=repro.EngineSettings(drafter_ratios=drafter_ratios),
             fixed=False,
         )
     ]
@@ -180,6 +195,8 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
     """Upstream at --block-size 128 and 64, the fix's default and fallback,
     and the fix's choice for a DSpark serve line."""
     rows = upstream_rows(max_model_lens)
+    for count in DSPARK_DRAFTER_COUNTS:
+        rows += upstream_rows(max_model_lens, (0,) * count)
     with forced_geometry(None):
         rows += measure(
             "fixed, default: interleaved split (128-token blocks, ratio-1 64-state kernel "
@@ -193,22 +210,36 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
             BASELINE_BLOCK_SIZE,
             max_model_lens,
         )
-    with forced_geometry(None):
-        dspark = repro.EngineSettings(
-            attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
-            drafter_ratios=DSPARK_DRAFTER_RATIOS,
-        )
-        rows += measure(
-            "fixed, default with DSpark (--speculative-config "
-            f'\'{{"method": "dspark", "num_speculative_tokens": '
-            f"{DSPARK_OPTIONS['num_speculative_tokens']}}}')",
-            BASELINE_BLOCK_SIZE,
-            max_model_lens,
-            settings=dspark,
-        )
+    for count in DSPARK_DRAFTER_COUNTS:
+        with forced_geometry(None):
+            dspark = repro.EngineSettings(
+                attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
+                drafter_ratios=(0,) * count,
+            )
+            rows += measure(
+                f"fixed, default with DSpark and {count} drafter layer{'s' if count > 1 else ''} "
+                "(--speculative-config "
+                f'\'{{"method": "dspark", "num_speculative_tokens": '
+                f"{DSPARK_OPTIONS['num_speculative_tokens']}}}')",
+                BASELINE_BLOCK_SIZE,
+                max_model_lens,
+                settings=dspark,
+            )
     return rows
 
 
-def baseline(rows: list[Row], max_model_len: int, block_size: int = BASELINE_BLOCK_SIZE) -> Row:
+def baseline(
+    rows: list[Row],
+    max_model_len: int,
+    block_size: int = BASELINE_BLOCK_SIZE,
+    drafter_layers: int = 0,
+) -> Row:
+    """Upstream's row for the same model (drafter layers included) and length."""
     prefix = f"upstream --block-size {block_size} "
-    return next(r for r in rows if r.label.startswith(prefix) and r.max_model_len == max_model_len)
+    return next(
+        r
+        for r in rows
+        if r.label.startswith(prefix)
+        and r.max_model_len == max_model_len
+        and r.drafter_layers == drafter_layers
+    )

@@ -181,7 +181,8 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
     lens = (args.max_model_len,) if args.max_model_len else capacity.MAX_MODEL_LENS
     resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
     fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
-    upstream = capacity.upstream_rows(lens)
+    upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
+    drafters = len(settings.drafter_ratios)
     text = (model_config or {}).get("text_config", model_config or {})
     heads = int(text.get("num_attention_heads", FLASH_HEADS))
     tp = int(args.tensor_parallel_size or 1)
@@ -206,8 +207,10 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             {
                 "max_model_len": row.max_model_len,
                 "tokens_per_gib": row.tokens,
-                "upstream_128": capacity.baseline(upstream, row.max_model_len, 128).tokens,
-                "upstream_64": capacity.baseline(upstream, row.max_model_len, 64).tokens,
+                "upstream_128": capacity.baseline(
+                    upstream, row.max_model_len, 128, drafters
+                ).tokens,
+                "upstream_64": capacity.baseline(upstream, row.max_model_len, 64, drafters).tokens,
             }
             for row in fixed
         ],
