@@ -255,13 +255,10 @@ class Patch:
         modules imported it by name (``from module import name``).  Modules
         imported later read the replaced attribute themselves."""
         old = self.replace(module, name, new)
-        for other in list(sys.modules.values()):
-            if other is module or not isinstance(other, ModuleType):
-                continue
-            if not (getattr(other, "__name__", None) or "").startswith("vllm."):
-                continue
-            if other.__dict__.get(name) is old:
-                self.replace(other, name, new)
+        # Undone last: a vLLM module imported while the patch was in force
+        # holds ``new`` by name; on revert it gets ``old`` back too.
+        self._undo.insert(0, lambda: _rebind_vllm_modules(name, new, old))
+        _rebind_vllm_modules(name, old, new, self, skip=module)
         return old
 
     def when_imported(self, module_name: str, callback: Callable[[ModuleType], None]) -> None:
@@ -292,6 +289,27 @@ class Patch:
     def revert(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+
+def _rebind_vllm_modules(
+    name: str,
+    held: Callable,
+    new: Callable,
+    patch: Patch | None = None,
+    skip: ModuleType | None = None,
+) -> None:
+    """In every imported vLLM module whose ``name`` is ``held``, set it to
+    ``new`` (through ``patch``, so that it is undone, where given)."""
+    for other in list(sys.modules.values()):
+        if other is skip or not isinstance(other, ModuleType):
+            continue
+        if not (getattr(other, "__name__", None) or "").startswith("vllm."):
+            continue
+        if other.__dict__.get(name) is held:
+            if patch is not None:
+                patch.replace(other, name, new)
+            else:
+                setattr(other, name, new)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
