@@ -72,11 +72,8 @@ def _run(*command: str | Path, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    with open(path, "rb") as f:  # the release tooling runs on Python 3.11+
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # -- build ---------------------------------------------------------------------------
