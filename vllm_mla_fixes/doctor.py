@@ -233,9 +233,6 @@ def parse_serve_args(argv: list[str]) -> ServeLine:
         decode_context_parallel_size=known.decode_context_parallel_size,
         prefill_context_parallel_size=known.prefill_context_parallel_size,
         raw=argv,
-        speculative_method=_json_option(known.speculative_config, "--speculative-config").get(
-            "method"
-        ),
     )
 
 

@@ -70,7 +70,6 @@ class ServeLine:
     decode_context_parallel_size: int
     prefill_context_parallel_size: int
     raw: list[str]
-    speculative_method: str | None = None  # --speculative-config's "method"
 
 
 def major_minor(version: str | None) -> tuple[int, ...] | None:
