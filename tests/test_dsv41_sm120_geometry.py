@@ -545,8 +545,55 @@ def test_dspark_keeps_the_split_when_no_drafter_layer_has_a_ratio_1_cache():
         assert geometry_name == fix.SPLIT, reason
         assert "with DSpark: no drafter layer owns or reads a ratio-1" in reason
         assert geometry.specs["model.layers.20.attn"].block_size == fix.SPLIT_MANAGER_BLOCK
-        assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.PAGE_ROWS
+        assert geometry.specs["model.layers.39.attn.swa_cache"].block_size == fix.PAGE_ROWS
+        drafter_rows = fix.drafter_swa_rows()[0]
+        for layer in (40, 41, 42):
+            spec = geometry.specs[f"model.layers.{layer}.attn.swa_cache"]
+            assert spec.block_size == drafter_rows
+        assert f"drafter sliding-window pages hold {drafter_rows} tokens" in reason
         assert "geometry interleaved-split" in fix.status_detail()
+
+
+# FlashInfer's SM120 DeepSeek-V4 decode kernels take the page size at run time
+# from 0.7.2.post1 (0.33.0's pin); 0.32.0 pins 0.7.0.post1, 64 rows only.
+RUNTIME_PAGES = {"0.32.0": False, "0.33.0": True, "0.34.0": True}
+
+
+def test_drafter_sliding_window_pages_follow_the_installed_flashinfer(request):
+    """DSpark's drafter layers get 128-row sliding-window pages, all in one
+    KV-cache group, where the installed FlashInfer's own envelope takes
+    run-time page sizes; 64 where it does not.  The backbone keeps 64."""
+    import flashinfer
+
+    release = request.config.vllm_release
+    assert fix.flashinfer_takes_runtime_swa_pages() is RUNTIME_PAGES[release], flashinfer.__version__
+    rows = fix.DRAFTER_SWA_ROWS if RUNTIME_PAGES[release] else fix.PAGE_ROWS
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
+        repro.select_kernel_block_sizes(geometry)
+        repro.allocate_and_bind(geometry)  # the start-up self-check runs inside and passes
+        pages = {page.layer: page.rows for page in fix.bound_pages(geometry.forward_context)}
+    assert {pages[f"model.layers.{layer}.attn.swa_cache"] for layer in (40, 41, 42)} == {rows}
+    assert pages["model.layers.39.attn.swa_cache"] == fix.PAGE_ROWS
+    drafter_groups = {
+        gid
+        for gid, group in enumerate(geometry.kv_cache_config.kv_cache_groups)
+        for name in group.layer_names
+        if name.startswith(("model.layers.40.", "model.layers.41.", "model.layers.42."))
+    }
+    for layer in (40, 41, 42):
+        assert geometry.specs[f"model.layers.{layer}.attn.swa_cache"].block_size == rows
+    if rows == fix.DRAFTER_SWA_ROWS:
+        assert len(drafter_groups) == 1, drafter_groups
+
+
+def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
+    monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "64")
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
+        _, reason = fix.geometry_decision(geometry.vllm_config)
+    assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.PAGE_ROWS
+    assert f"drafter sliding-window pages hold 64 tokens ({fix.DRAFTER_SWA_ENV}=64)" in reason
 
 
 def test_dspark_drafter_with_a_ratio_1_cache_falls_back_and_names_the_layer():

@@ -144,6 +144,20 @@ SPLIT_MANAGER_BLOCK = 2 * PAGE_ROWS
 """Tokens per manager block of every compressed/indexer cache under the split:
 64 states at ratio 2, two 64-state kernel pages at ratio 1."""
 
+DRAFTER_SWA_ROWS = 2 * PAGE_ROWS
+"""Tokens per sliding-window page of a drafter layer (DSpark's three are
+sliding-window only), where the installed FlashInfer takes the primary page
+size at run time (0.7.2.post1, 0.33.0's pin, and later).  vLLM charges every
+sliding-window group (window - 1 + in-flight tokens) / block size blocks per
+request whatever its layer count, and the backbone's 40 sliding-window layers
+fill seven 64-token groups of six; three drafter layers more would open an
+eighth.  At 128 tokens they share one group of half the cost, and the split
+holds more tokens than upstream with DSpark too."""
+
+DRAFTER_SWA_ENV = "VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS"
+"""Set to 64 to keep drafter sliding-window pages at 64 rows (should a
+FlashInfer build refuse 128-row pages that its envelope lists)."""
+
 UPSTREAM_SWA_BLOCK = 32
 FLASHINFER_BACKEND = "FLASHINFER_MLA_SPARSE_DSV41"
 INDEXER_BACKEND = "DEEPSEEK_V41_INDEXER"
@@ -387,6 +401,8 @@ _state: dict[str, Any] = {
     # Compress ratios of the caches the fix's spec producers made (> 1 only):
     # the warm-up adds its 64-state key for these and no other.
     "owned_ratios": set(),
+    # Prefixes of the drafter sliding-window caches built with 128-row pages.
+    "drafter_swa_caches": set(),
 }
 
 
@@ -426,10 +442,12 @@ def _speculative_trigger(method: str | None) -> str | None:
 def _speculative_note(method: str | None) -> str:
     """What the in-force split adds to its reason under speculative decoding."""
     if method == DSPARK:
+        rows, why = drafter_swa_rows()
         return (
             "; with DSpark: no drafter layer owns or reads a ratio-1 compressed or indexer "
             "cache (checked on the model's layers), so only the target's verify pass "
-            "writes ratio-1 pages, through kernel-table slots"
+            f"writes ratio-1 pages, through kernel-table slots; drafter sliding-window pages "
+            f"hold {rows} tokens ({why})"
         )
     if method in TOKEN_ONLY_METHODS:
         return (
@@ -764,13 +782,67 @@ def _per_spec_kernel_block_sizes(original: Callable) -> staticmethod:
     return staticmethod(get_supported_kernel_block_sizes)
 
 
-def _swa_cache_with_64_token_blocks(cache_class: type) -> Callable:
+@functools.cache
+def flashinfer_takes_runtime_swa_pages() -> bool:
+    """Whether the installed FlashInfer's SM120 DeepSeek-V4 decode kernels take
+    the primary (sliding-window) page size at run time, as its own envelope
+    says (0.7.2.post1 and later); 0.7.0.post1 instantiates 64 rows only."""
+    try:
+        from flashinfer.mla import supported_sparse_mla_sm120_configs
+
+        family = supported_sparse_mla_sm120_configs().get("dsv4")
+        return bool(
+            family is not None
+            and getattr(family, "page_block_size_is_runtime", False)
+            and family.supports_decode(8, 128, page_block_size=DRAFTER_SWA_ROWS)
+        )
+    except Exception:  # noqa: BLE001 - an unknown FlashInfer keeps 64-row pages
+        return False
+
+
+def _layer_number(prefix: Any) -> int | None:
+    """``N`` of a ``...layers.N.<module>`` prefix."""
+    parts = str(prefix).split(".")
+    for name, number in zip(parts, parts[1:]):
+        if name == "layers" and number.isdigit():
+            return int(number)
+    return None
+
+
+def swa_page_rows(prefix: Any) -> int:
+    """Sliding-window page rows for the cache built under ``prefix``: 128 for
+    a drafter layer's (numbered past the backbone) where FlashInfer takes
+    run-time page sizes, else 64."""
+    from vllm.config import get_current_vllm_config
+
+    number = _layer_number(prefix)
+    backbone = _backbone_layers(get_current_vllm_config())
+    if number is None or backbone is None or number < backbone:
+        return PAGE_ROWS
+    return drafter_swa_rows()[0]
+
+
+def drafter_swa_rows() -> tuple[int, str]:
+    """Rows of a drafter's sliding-window pages, and why."""
+    if os.environ.get(DRAFTER_SWA_ENV, "").strip() == str(PAGE_ROWS):
+        return PAGE_ROWS, f"{DRAFTER_SWA_ENV}={PAGE_ROWS}"
+    if flashinfer_takes_runtime_swa_pages():
+        return DRAFTER_SWA_ROWS, (
+            "the installed FlashInfer takes run-time page sizes; all drafter layers share "
+            "one KV-cache group"
+        )
+    return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"
+
+
+def _swa_cache_with_kernel_pages(cache_class: type) -> Callable:
     """Stands in for the class name inside ``deepseek_v41.attention`` only, so
     DeepSeek-V4.0 (which shares the class) is not touched."""
 
     def build_swa_cache(*args, **kwargs):
         if kwargs.get("block_size") == UPSTREAM_SWA_BLOCK:
-            kwargs["block_size"] = PAGE_ROWS
+            kwargs["block_size"] = swa_page_rows(kwargs.get("prefix"))
+            if kwargs["block_size"] != PAGE_ROWS:
+                _state["drafter_swa_caches"].add(kwargs.get("prefix"))
         return cache_class(*args, **kwargs)
 
     build_swa_cache.__wrapped__ = cache_class  # type: ignore[attr-defined]
@@ -1124,9 +1196,18 @@ def bound_pages(forward_context: dict[str, Any]) -> list[CachePage]:
     return pages
 
 
+def expected_rows(page: CachePage) -> int:
+    """Rows the fix gave this page: 64, or 128 for a drafter's sliding-window
+    cache it built so (see :data:`DRAFTER_SWA_ROWS`)."""
+    if page.kind == "sliding-window KV" and page.layer in _state["drafter_swa_caches"]:
+        return DRAFTER_SWA_ROWS
+    return PAGE_ROWS
+
+
 def check_page_geometry(pages: Iterable[CachePage]) -> None:
-    """Raise :class:`PageGeometryError` unless every page holds 64 states."""
-    wrong = [page for page in pages if page.rows != PAGE_ROWS]
+    """Raise :class:`PageGeometryError` unless every page holds the states the
+    fix gave it (64; 128 for a drafter's sliding-window pages)."""
+    wrong = [page for page in pages if page.rows != expected_rows(page)]
     if not wrong:
         return
     lines = "\n".join(
@@ -1136,7 +1217,8 @@ def check_page_geometry(pages: Iterable[CachePage]) -> None:
     )
     raise PageGeometryError(
         f"vllm-mla-fixes ({INFO.name}): on SM12x, FlashInfer's sparse-MLA kernels and the "
-        f"paged-MQA indexer read {PAGE_ROWS}-row pages, but {len(wrong)} DeepSeek-V4.1 "
+        f"paged-MQA indexer read {PAGE_ROWS}-row pages ({DRAFTER_SWA_ROWS} for a drafter's "
+        f"sliding-window cache), but {len(wrong)} DeepSeek-V4.1 "
         f"cache(s) were bound with other page sizes:\n{lines}\n"
         "Serving would fail on the first request or read other layers' rows. The KV-cache "
         "geometry was changed after this fix was applied (another plugin, a different vLLM "
@@ -1266,6 +1348,7 @@ def apply(patch: Patch) -> None:
     _state["decisions"] = {}
     _state["backends"] = ()
     _state["owned_ratios"] = set()
+    _state["drafter_swa_caches"] = set()
     _INTERLEAVED.clear()
     _PAIR_REGIONS.clear()
     split_reviewed = not _state["split_unreviewed"]
@@ -1274,7 +1357,7 @@ def apply(patch: Patch) -> None:
         for cls in (module.DeepseekV4Attention, module.DeepseekV4IndexerCache):
             patch.replace(cls, "get_kv_cache_spec", _wrap_spec_producer(cls))
         patch.replace(
-            module, "DeepseekV4SWACache", _swa_cache_with_64_token_blocks(module.DeepseekV4SWACache)
+            module, "DeepseekV4SWACache", _swa_cache_with_kernel_pages(module.DeepseekV4SWACache)
         )
 
     def on_flashinfer(module) -> None:

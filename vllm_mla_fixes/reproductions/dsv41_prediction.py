@@ -133,8 +133,12 @@ def engine_settings(args: Any):
     )
 
 
-def flashinfer_shapes(heads_per_rank: int, window: int, index_topk: int) -> list[dict]:
-    """Each per-rank call shape against the installed FlashInfer's SM120 decode envelope."""
+def flashinfer_shapes(
+    heads_per_rank: int, window: int, index_topk: int, drafter_page: int | None = None
+) -> list[dict]:
+    """Each per-rank call shape against the installed FlashInfer's SM120 decode
+    envelope; ``drafter_page``: a drafter's sliding-window page rows, where
+    they differ from the backbone's 64."""
     import flashinfer
     from flashinfer import mla
 
@@ -144,20 +148,23 @@ def flashinfer_shapes(heads_per_rank: int, window: int, index_topk: int) -> list
         return [{"flashinfer": version, "error": "no supported_sparse_mla_sm120_configs()"}]
     config = lookup()["dsv4"]
     extra_pages = sorted(config.extra_page_block_sizes)
+    calls = [
+        (window, 64, "sliding-window pages, the primary cache", False),
+        (index_topk, 64, "compressed pages, the extra cache", True),
+    ]
+    if drafter_page is not None and drafter_page != 64:
+        calls.append((window, drafter_page, "a drafter's sliding-window pages, the primary", False))
     shapes = []
-    for topk, role, extra in (
-        (window, "sliding-window pages, the primary cache", False),
-        (index_topk, "compressed pages, the extra cache", True),
-    ):
+    for topk, page, role, extra in calls:
         decode = config.supports_decode(
-            heads_per_rank, topk, num_tokens=1, page_block_size=64
+            heads_per_rank, topk, num_tokens=1, page_block_size=page
         ) and (not extra or not extra_pages or 64 in extra_pages)
         shapes.append(
             {
                 "flashinfer": version,
                 "heads": heads_per_rank,
                 "topk": topk,
-                "page": 64,
+                "page": page,
                 "extra_page": 64 if extra else None,
                 "extra_pages_listed": extra_pages,
                 "role": role,
@@ -171,6 +178,7 @@ def flashinfer_shapes(heads_per_rank: int, window: int, index_topk: int) -> list
 def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
     import vllm
 
+    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
     from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
     from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -221,6 +229,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             heads // tp,
             int(text.get("sliding_window", FLASH_WINDOW)),
             int(text.get("index_topk", FLASH_INDEX_TOPK)),
+            drafter_page=fix.drafter_swa_rows()[0] if drafters else None,
         )
         if heads % tp == 0
         else [{"error": f"{heads} attention heads do not split over TP {tp}"}],

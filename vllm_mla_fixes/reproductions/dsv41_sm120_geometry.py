@@ -26,8 +26,9 @@ import ast
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -122,6 +123,24 @@ def make_vllm_config(
     return config
 
 
+@contextlib.contextmanager
+def _backbone_in_model_config(vllm_config, backbone: int) -> Iterator[None]:
+    """While the layers are built, a serve's model config says how many layers
+    the backbone has (a drafter's are numbered past it); this config has no
+    model, so it gets a stand-in holding that number for the duration."""
+    if vllm_config.model_config is not None:
+        yield
+        return
+    text = SimpleNamespace(num_hidden_layers=backbone)
+    object.__setattr__(
+        vllm_config, "model_config", SimpleNamespace(hf_config=text, hf_text_config=text)
+    )
+    try:
+        yield
+    finally:
+        object.__setattr__(vllm_config, "model_config", None)
+
+
 def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ()) -> dict[str, Any]:
     """Register the model's KV-cache layers in ``vllm_config``'s static forward
     context, as ``DeepseekV41ForCausalLM`` does on SM120; returns the attention layers.
@@ -143,8 +162,8 @@ def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ())
     kv_sources = set(model["kv_source_layer_ids"])
     index_sources = set(model["index_source_layer_ids"])
     layers = {}
-    with set_current_vllm_config(vllm_config):
-        backbone = model["num_hidden_layers"]
+    backbone = model["num_hidden_layers"]
+    with set_current_vllm_config(vllm_config), _backbone_in_model_config(vllm_config, backbone):
         for layer_id in range(backbone + len(drafter_ratios)):
             prefix = attention_prefix(layer_id)
             drafter = layer_id >= backbone
@@ -321,7 +340,6 @@ def create_metadata_builders(geometry: Geometry, max_model_len: int = 8192) -> N
     that ``map_kv_caches_to_kernel_blocks`` then applies when binding.  The
     model config is a namespace with what the builders read of it; the
     prefill-workspace factor is what ``VllmConfig`` resolves for contexts up to 256K."""
-    from types import SimpleNamespace
 
     from vllm.models.deepseek_v41.compressor import CompressorBackend
     from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
@@ -566,7 +584,6 @@ def capacity(
     ``model_config`` is a namespace carrying ``max_model_len`` only (all that
     the capacity functions read of it): a real ``ModelConfig`` inspects the
     model class in a subprocess."""
-    from types import SimpleNamespace
 
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 

@@ -47,7 +47,11 @@ STOCK_SWA_BLOCK = 32  # what DeepseekV4Attention.__init__ passes
 
 @dataclass(frozen=True)
 class TinyModel:
-    compress_ratios: tuple[int, ...] = (2, 1, 0)
+    # Per layer; the last ``drafter_layers`` are a DSpark drafter's
+    # sliding-window-only layers, numbered past the backbone as vLLM numbers
+    # them, so the fix gives them its drafter page size.
+    compress_ratios: tuple[int, ...] = (2, 1, 0, 0)
+    drafter_layers: int = 1
     kv_sources: tuple[int, ...] = (0, 1)
     sliding_window: int = 128
     index_topk: int = 64
@@ -67,6 +71,10 @@ class TinyModel:
         if self.compress_ratios[layer] == 0:
             return None
         return max(s for s in self.kv_sources if s <= layer)
+
+    @property
+    def backbone_layers(self) -> int:
+        return len(self.compress_ratios) - self.drafter_layers
 
     @property
     def cut(self) -> int:
@@ -132,8 +140,8 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
     cache.enable_prefix_caching = True
     hf = DeepseekV41Config(
         text_config=dict(
-            num_hidden_layers=len(model.compress_ratios),
-            compress_ratios=list(model.compress_ratios),
+            num_hidden_layers=model.backbone_layers,
+            compress_ratios=list(model.compress_ratios[: model.backbone_layers]),
             kv_source_layer_ids=list(model.kv_sources),
             index_source_layer_ids=list(model.kv_sources),
             sliding_window=model.sliding_window,
