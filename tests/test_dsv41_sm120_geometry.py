@@ -566,7 +566,9 @@ def test_drafter_sliding_window_pages_follow_the_installed_flashinfer(request):
     import flashinfer
 
     release = request.config.vllm_release
-    assert fix.flashinfer_takes_runtime_swa_pages() is RUNTIME_PAGES[release], flashinfer.__version__
+    assert fix.flashinfer_takes_runtime_swa_pages() is RUNTIME_PAGES[release], (
+        flashinfer.__version__
+    )
     rows = fix.DRAFTER_SWA_ROWS if RUNTIME_PAGES[release] else fix.PAGE_ROWS
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
