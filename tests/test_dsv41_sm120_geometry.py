@@ -814,3 +814,29 @@ def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():
         assert torch.equal(got[want.numel() :], torch.full((7,), -1))
         again = fix.kernel_slots(group, manager[:50])
         assert again.data_ptr() == got.data_ptr()
+
+
+def test_dspark_with_three_drafter_layers_holds_more_than_upstream_block_128(request):
+    """Issue 18's goal, from vLLM's own planner and token figure: the split
+    with DSpark's default three drafter layers holds at least upstream's
+    --block-size 128 capacity (same model, same drafter layers) at 8k and 128k
+    where the drafter pages hold 128 rows.  0.32.0's FlashInfer decodes 64-row
+    primary pages only: there the drafter layers open a tenth KV-cache group,
+    and the split holds 0.993x / 0.997x (README, issue 18's closing note)."""
+    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
+
+    drafters = (0, 0, 0)
+    upstream = capacity.upstream_rows(drafter_ratios=drafters)
+    settings = repro.EngineSettings(
+        attached={"speculative_config": _dspark()}, drafter_ratios=drafters
+    )
+    fixed = capacity.measure("dspark", 128, capacity.MAX_MODEL_LENS, settings)
+    ratios = [
+        row.versus(capacity.baseline(upstream, row.max_model_len, 128, len(drafters)))
+        for row in fixed
+    ]
+    assert {row.geometry for row in fixed} == {fix.SPLIT}
+    if RUNTIME_PAGES[request.config.vllm_release]:
+        assert [round(r, 3) for r in ratios] == [1.051, 1.019]
+    else:
+        assert [round(r, 3) for r in ratios] == [0.993, 0.997]

@@ -35,9 +35,10 @@ numbered past the backbone (``models/deepseek_v41/nvidia/dspark.py``).  doctor
 assumes vLLM's default of 3, the count that costs most capacity (see below)."""
 DSPARK_DRAFTER_COUNTS = (1, 3)
 """The benchmark's DSpark rows: one drafter layer (a checkpoint whose config
-says so) and vLLM's default of 3.  Three sliding-window layers more make the
-split's hybrid grouping open a tenth KV-cache group, where upstream's
-block-128 grouping absorbs them."""
+says so) and vLLM's default of 3.  With 64-row pages, three sliding-window
+layers more make the split's hybrid grouping open a tenth KV-cache group
+(one fits the backbone's groups); with the fix's 128-row drafter pages they
+share one group of half the per-request cost."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,19 @@ def fixed_on_sm120() -> Iterator[None]:
         if result.status.state.value != "applied":
             raise RuntimeError(f"the fix did not apply: {result.status.label()}")
         yield
+
+
+@contextlib.contextmanager
+def drafter_pages_kept_at_64() -> Iterator[None]:
+    """``VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS=64`` for the duration."""
+    saved = os.environ.get(fix.DRAFTER_SWA_ENV)
+    os.environ[fix.DRAFTER_SWA_ENV] = str(fix.PAGE_ROWS)
+    try:
+        yield
+    finally:
+        os.environ.pop(fix.DRAFTER_SWA_ENV, None)
+        if saved is not None:
+            os.environ[fix.DRAFTER_SWA_ENV] = saved
 
 
 @contextlib.contextmanager
@@ -210,21 +224,29 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
             BASELINE_BLOCK_SIZE,
             max_model_lens,
         )
+    line = (
+        '(--speculative-config \'{"method": "dspark", "num_speculative_tokens": '
+        f"{DSPARK_OPTIONS['num_speculative_tokens']}}}')"
+    )
+    # Where FlashInfer takes run-time page sizes the drafter's pages are 128
+    # rows by default; the environment variable keeps them at 64.
+    drafter_pages = [("", contextlib.nullcontext)]
+    if fix.flashinfer_takes_runtime_swa_pages():
+        drafter_pages.append((f", {fix.DRAFTER_SWA_ENV}=64", drafter_pages_kept_at_64))
     for count in DSPARK_DRAFTER_COUNTS:
-        with forced_geometry(None):
-            dspark = repro.EngineSettings(
-                attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
-                drafter_ratios=(0,) * count,
-            )
-            rows += measure(
-                f"fixed, default with DSpark and {count} drafter layer{'s' if count > 1 else ''} "
-                "(--speculative-config "
-                f'\'{{"method": "dspark", "num_speculative_tokens": '
-                f"{DSPARK_OPTIONS['num_speculative_tokens']}}}')",
-                BASELINE_BLOCK_SIZE,
-                max_model_lens,
-                settings=dspark,
-            )
+        for suffix, pages in drafter_pages:
+            with forced_geometry(None), pages():
+                dspark = repro.EngineSettings(
+                    attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
+                    drafter_ratios=(0,) * count,
+                )
+                rows += measure(
+                    f"fixed, default with DSpark and {count} drafter "
+                    f"layer{'s' if count > 1 else ''}{suffix} {line}",
+                    BASELINE_BLOCK_SIZE,
+                    max_model_lens,
+                    settings=dspark,
+                )
     return rows
 
 
