@@ -153,11 +153,13 @@ def test_geometry_choice_reaches_ray_workers(monkeypatch):
     from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
     monkeypatch.setenv(fix.GEOMETRY_ENV, fix.PER_RATIO)
+    monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "64")
     monkeypatch.setenv("VLLM_MLA_FIXES", fix.INFO.name)
-    names = {fix.GEOMETRY_ENV, "VLLM_MLA_FIXES"}
+    names = {fix.GEOMETRY_ENV, fix.DRAFTER_SWA_ENV, "VLLM_MLA_FIXES"}
     assert names <= get_env_vars_to_copy(exclude_vars=WORKER_SPECIFIC_ENV_VARS)
     driver = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
     assert driver[fix.GEOMETRY_ENV] == fix.PER_RATIO
+    assert driver[fix.DRAFTER_SWA_ENV] == "64"
     assert driver["VLLM_MLA_FIXES"] == fix.INFO.name
 
 
