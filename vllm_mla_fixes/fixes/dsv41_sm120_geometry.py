@@ -56,6 +56,12 @@ How we fix it
         prefix-cache block copy copies that region whole, also on vLLM's
         per-cache copy path.  vLLM's planner then holds 1.118x the
         tokens of upstream's --block-size 128 layout at 8k and 1.042x at 128k.
+        A DSpark drafter's sliding-window caches (layers numbered past the
+        backbone) get 128-token pages where FlashInfer's own envelope takes
+        run-time page sizes (0.7.2.post1 on), so its three layers share one
+        KV-cache group instead of opening another 64-token one: 1.051x /
+        1.019x of upstream with the same drafter (0.993x / 0.997x on
+        FlashInfer 0.7.0.post1, where they keep 64 rows).
     per-ratio (fallback)
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
         ratio-2 128), so the hybrid manager gives each ratio its own group and
