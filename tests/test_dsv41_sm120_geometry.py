@@ -826,15 +826,15 @@ def test_dspark_with_three_drafter_layers_holds_more_than_upstream_block_128(req
     from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
 
     drafters = (0, 0, 0)
-    upstream = capacity.upstream_rows(drafter_ratios=drafters)
+    lens = capacity.MAX_MODEL_LENS
+    upstream = capacity.measure(
+        "upstream", 128, lens, repro.EngineSettings(drafter_ratios=drafters), fixed=False
+    )
     settings = repro.EngineSettings(
         attached={"speculative_config": _dspark()}, drafter_ratios=drafters
     )
-    fixed = capacity.measure("dspark", 128, capacity.MAX_MODEL_LENS, settings)
-    ratios = [
-        row.versus(capacity.baseline(upstream, row.max_model_len, 128, len(drafters)))
-        for row in fixed
-    ]
+    fixed = capacity.measure("dspark", 128, lens, settings)
+    ratios = [row.versus(base) for row, base in zip(fixed, upstream, strict=True)]
     assert {row.geometry for row in fixed} == {fix.SPLIT}
     if RUNTIME_PAGES[request.config.vllm_release]:
         assert [round(r, 3) for r in ratios] == [1.051, 1.019]
