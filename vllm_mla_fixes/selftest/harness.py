@@ -825,6 +825,8 @@ def run_geometry(
     raises for what it finds."""
     geometry = GEOMETRIES[name]
     model = model or TinyModel()
+    if not geometry.via_plugin:
+        model = model.without_drafter()
     kernels = kernels or kn.Kernels.for_device(device)
     result = GeometryResult(geometry.name, geometry.title, geometry.role)
     for case in CASES:

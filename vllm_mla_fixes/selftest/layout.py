@@ -32,6 +32,7 @@ PR #56509).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -71,6 +72,18 @@ class TinyModel:
         if self.compress_ratios[layer] == 0:
             return None
         return max(s for s in self.kv_sources if s <= layer)
+
+    def without_drafter(self) -> TinyModel:
+        """The backbone alone: upstream's own layout (no fix) has nothing that
+        tells a drafter's pages apart, and at its 32-token sliding-window
+        pages one group more would outgrow the tight pool."""
+        if not self.drafter_layers:
+            return self
+        return dataclasses.replace(
+            self,
+            compress_ratios=self.compress_ratios[: self.backbone_layers],
+            drafter_layers=0,
+        )
 
     @property
     def backbone_layers(self) -> int:
