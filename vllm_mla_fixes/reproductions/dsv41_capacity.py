@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,30 +96,27 @@ def fixed_on_sm120() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def drafter_pages_kept_at_64() -> Iterator[None]:
+def environment_variable(name: str, value: str | None) -> Iterator[None]:
+    """``name=value`` in the environment for the duration (None: unset)."""
+    saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def drafter_pages_kept_at_64() -> contextlib.AbstractContextManager[None]:
     """``VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS=64`` for the duration."""
-    saved = os.environ.get(fix.DRAFTER_SWA_ENV)
-    os.environ[fix.DRAFTER_SWA_ENV] = str(fix.PAGE_ROWS)
-    try:
-        yield
-    finally:
-        os.environ.pop(fix.DRAFTER_SWA_ENV, None)
-        if saved is not None:
-            os.environ[fix.DRAFTER_SWA_ENV] = saved
+    return environment_variable(fix.DRAFTER_SWA_ENV, str(fix.PAGE_ROWS))
 
 
-@contextlib.contextmanager
-def forced_geometry(name: str | None) -> Iterator[None]:
+def forced_geometry(name: str | None) -> contextlib.AbstractContextManager[None]:
     """``VLLM_MLA_FIXES_DSV41_GEOMETRY=name`` for the duration (None: unset)."""
-    saved = os.environ.pop(fix.GEOMETRY_ENV, None)
-    if name is not None:
-        os.environ[fix.GEOMETRY_ENV] = name
-    try:
-        yield
-    finally:
-        os.environ.pop(fix.GEOMETRY_ENV, None)
-        if saved is not None:
-            os.environ[fix.GEOMETRY_ENV] = saved
+    return environment_variable(fix.GEOMETRY_ENV, name)
 
 
 def context_bytes_per_token(geometry: repro.Geometry) -> float:
@@ -230,7 +227,9 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
     )
     # Where FlashInfer takes run-time page sizes the drafter's pages are 128
     # rows by default; the environment variable keeps them at 64.
-    drafter_pages = [("", contextlib.nullcontext)]
+    drafter_pages: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
+        ("", contextlib.nullcontext)
+    ]
     if fix.flashinfer_takes_runtime_swa_pages():
         drafter_pages.append((f", {fix.DRAFTER_SWA_ENV}=64", drafter_pages_kept_at_64))
     for count in DSPARK_DRAFTER_COUNTS:
