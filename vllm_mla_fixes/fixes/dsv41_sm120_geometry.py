@@ -807,12 +807,14 @@ def flashinfer_takes_runtime_swa_pages() -> bool:
 
 
 def _layer_number(prefix: Any) -> int | None:
-    """``N`` of a ``...layers.N.<module>`` prefix."""
-    parts = str(prefix).split(".")
-    for name, number in zip(parts, parts[1:]):
-        if name == "layers" and number.isdigit():
-            return int(number)
-    return None
+    """``N`` of a ``...layers.N.<module>`` prefix, by vLLM's own parser (the
+    one DSpark's and every model's layers are numbered for), or None."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(str(prefix))
+    except (AssertionError, IndexError, ValueError):
+        return None
 
 
 def swa_page_rows(prefix: Any) -> int:
