@@ -61,7 +61,10 @@ How we fix it
         run-time page sizes (0.7.2.post1 on), so its three layers share one
         KV-cache group instead of opening another 64-token one: 1.051x /
         1.019x of upstream with the same drafter (0.993x / 0.997x on
-        FlashInfer 0.7.0.post1, where they keep 64 rows).
+        FlashInfer 0.7.0.post1, where they keep 64 rows: putting two 64-row
+        kernel pages in a 128-token drafter block would need the drafter's own
+        slot mappings translated, and DSpark computes those in its own kernel
+        and replays them in FULL graphs, past any metadata-build hook).
     per-ratio (fallback)
         Each cache gets ``64 x compress_ratio``-token blocks (ratio-1 64,
         ratio-2 128), so the hybrid manager gives each ratio its own group and
