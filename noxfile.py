@@ -128,7 +128,7 @@ def _install(session: nox.Session, release: str) -> None:
 # Most of a release session's time is spent waiting on single-threaded
 # subprocesses (each imports vLLM), so test files run side by side, one worker
 # per core up to four; a file stays on one worker (its module fixtures are
-# built once), and the longest files start first (tests/conftest.py).
+# built once).
 # `nox -s vllm-0.25.1 -- -n 0` runs them one at a time.
 TEST_WORKERS = min(4, os.cpu_count() or 1)
 
@@ -142,7 +142,6 @@ def _release_session(release: str):
             release,
             f"--numprocesses={TEST_WORKERS}",
             "--dist=loadfile",
-            "--no-loadscope-reorder",  # the longest files first (tests/conftest.py)
             *session.posargs,
             env={"CUDA_VISIBLE_DEVICES": ""},
         )

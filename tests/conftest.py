@@ -54,21 +54,6 @@ def pytest_configure(config):
     config.vllm_release = wanted or installed
 
 
-# The files whose module fixtures run longest (the self-test as a command, the
-# GPU cases' serve-line parsing, the user-environment install), in that order,
-# run first: the nox sessions hand whole files to two workers in collection
-# order (--dist=loadfile --no-loadscope-reorder), and a long file started last
-# would leave the other worker idle while it runs.
-LONGEST_FILES_FIRST = ("test_selftest.py", "test_gpu_cases_on_cpu.py", "test_cli_contract.py")
-
-
-def _start_rank(item) -> int:
-    name = item.path.name
-    return (
-        LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     release = config.vllm_release
     keep, drop = [], []
@@ -77,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
         (keep if marker is None or release in marker.args else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-    items[:] = sorted(keep, key=_start_rank)  # stable: each file keeps its own order
+        items[:] = keep
 
 
 @pytest.fixture
