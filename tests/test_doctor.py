@@ -354,6 +354,7 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     """doctor's geometry finding is the fix's own decision on the line's engine
     config (``diagnose`` runs the prediction in a fresh interpreter; here in-process)."""
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as dsv41_doctor
     from vllm_mla_fixes.reproductions import dsv41_prediction
 
     model = str(ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41")
@@ -361,7 +362,9 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     def geometry_line(*flags: str) -> str:
         predicted = dsv41_prediction.predict(["serve", model, *flags])
         (line,) = [
-            f.message for f in dsv41._prediction_findings(predicted) if "geometry:" in f.message
+            f.message
+            for f in dsv41_doctor._prediction_findings(predicted)
+            if "geometry:" in f.message
         ]
         return line
 

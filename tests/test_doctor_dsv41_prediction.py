@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.reproductions import dsv41_prediction as prediction
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -83,13 +84,15 @@ def test_doctor_does_not_report_the_backend_alone_as_offloading():
     configured ...)" for this line.  doctor's findings from the prediction
     (``diagnose`` runs the same prediction in a fresh interpreter)."""
     line = [*REPORT_LINE, "--kv-offloading-backend", "native"]
-    messages = " | ".join(f.message for f in fix._prediction_findings(prediction.predict(line)))
+    messages = " | ".join(
+        f.message for f in fix_doctor._prediction_findings(prediction.predict(line))
+    )
     assert f"gets the {fix.SPLIT} geometry" in messages
     assert "KV offloading is configured" not in messages
     assert "--kv-offloading-backend native without --kv-offloading-size enables nothing" in (
         messages
     )
-    plain = fix._prediction_findings(prediction.predict(REPORT_LINE))
+    plain = fix_doctor._prediction_findings(prediction.predict(REPORT_LINE))
     assert not any("--kv-offloading-backend" in f.message for f in plain)
 
 

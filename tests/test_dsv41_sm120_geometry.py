@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import state as fix_state
 from vllm_mla_fixes.patching import State, run_fix
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -709,7 +710,7 @@ def test_engine_log_names_the_geometry_the_gpu_test_asserts(monkeypatch):
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)  # a served process logs INFO
-    monkeypatch.setitem(fix._state, "decisions", {})
+    monkeypatch.setitem(fix_state._state, "decisions", {})
     try:
         with repro.applied((12, 0)):
             repro.plan_geometry(128)

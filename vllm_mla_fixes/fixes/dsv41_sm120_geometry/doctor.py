@@ -1,0 +1,364 @@
+"""Doctor: ``vllm-mla-fixes doctor``'s findings for this fix, including the
+geometry and capacity a serve line gets on SM12x (predicted in a fresh
+interpreter from vLLM's own parser)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
+    INFO,
+)
+
+
+def diagnose(env, serve) -> list:
+    """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
+    decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
+    a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor
+
+    name = INFO.name
+    vllm_version = env.packages.get("vllm")
+    if (
+        serve is not None
+        and serve.model_config
+        and "DeepseekV41ForCausalLM" not in serve.architectures
+    ):
+        return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
+    sm = env.capability
+    if sm is not None and sm[0] != 12:
+        return [
+            Finding(
+                "ok",
+                name,
+                f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
+                "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here",
+            )
+        ]
+    findings = [
+        Finding(
+            "info",
+            name,
+            f"GPU {f'SM{sm[0]}{sm[1]}' if sm else 'not visible'}: SM120 (RTX PRO 6000) "
+            "and SM121 (GB10) are both compute capability 12.x; the fix applies to both "
+            "(neither has been run on hardware by this project)",
+        ),
+        Finding(
+            "info",
+            name,
+            "prove the fixed KV layout on this GPU before serving: the "
+            "self-test runs FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits "
+            "and the indexer-K gather over it against a dense reference (exit 0 pass, "
+            "1 mismatch, 2 cannot run); once the server is up, check its replies for "
+            "U+FFFD; attach both outputs to a bug report",
+            f"{SELFTEST_COMMAND}; then {SMOKE_COMMAND}",
+        ),
+    ]
+    fi, cubin, jit = (
+        env.packages.get(p)
+        for p in ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache")
+    )
+    if fi and cubin and fi != cubin:
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"flashinfer-cubin {cubin} != flashinfer-python {fi}",
+                f"install flashinfer-cubin {fi}, the version of flashinfer-python "
+                "(PyPI has no flashinfer-cubin 0.7.x: take it from where "
+                "flashinfer-python came from)",
+            )
+        )
+    if jit is None:
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                "flashinfer-jit-cache is not installed: SM120 kernels come "
+                "from the sm120f jit-cache; the report installs its 4 KB shim with --no-deps",
+                f"install the flashinfer-jit-cache {fi} shim with --no-deps (it is not on PyPI)",
+            )
+        )
+    elif fi and jit.split("+")[0] != fi:
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"flashinfer-jit-cache {jit} does not match flashinfer-python "
+                f"{fi}; FlashInfer refuses to start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
+                f"install flashinfer-jit-cache {fi} (a +cuXXX suffix is fine)",
+            )
+        )
+    torch_v, audio_v = env.packages.get("torch"), env.packages.get("torchaudio")
+    if audio_v and major_minor(audio_v) != major_minor(torch_v):
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                f"torchaudio {audio_v} was built for another torch than "
+                f"{torch_v} (vLLM {vllm_version}'s own pins); it can fail to load "
+                "(a language-model-only serve does not need it)",
+                "pip uninstall -y torchaudio",
+            )
+        )
+    if serve is None:
+        findings.append(fix_verdict(env, name))
+        return findings
+    attention = serve.attention_config
+    if str(attention.get("indexer_kv_dtype", "fp8")).lower() == "mxfp4":
+        findings.append(
+            Finding(
+                "error",
+                name,
+                "indexer_kv_dtype='mxfp4' requires SM10x (B200/GB200); "
+                "SM120 rejects it at start-up",
+                f"use {INDEXER_FP8_FLAG}",
+            )
+        )
+    if attention.get("indexer_sparse_logits"):
+        findings.append(
+            Finding(
+                "error",
+                name,
+                "indexer_sparse_logits needs the MXFP4 indexer cache, which SM120 does not support",
+                "remove indexer_sparse_logits",
+            )
+        )
+    block = serve.block_size
+    fixed = env.fix_state(name) == "applied"
+    if (major_minor(vllm_version) or (0,)) >= (0, 34):
+        # 0.34.0 declares 64-token kernel blocks on SM12x, which moves the failure.
+        if block == 128 and not fixed:
+            findings.append(
+                Finding("warn", name, f"--block-size 128 fails at start-up: {SPLIT_ERROR_0_34}")
+            )
+        elif block == 64 and not fixed:
+            findings.append(
+                Finding(
+                    "warn",
+                    name,
+                    "--block-size 64 starts on vLLM 0.34, but hands the indexer 32-state ratio-2 "
+                    "pages (SM120's paged-MQA logits take 64) and FlashInfer 32-token "
+                    "sliding-window pages",
+                )
+            )
+    elif block == 64 and not fixed:
+        findings.append(Finding("warn", name, f"--block-size 64 fails at start-up: {INFO.error}"))
+    elif block in (None, 128) and not fixed:
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                "--block-size 128 starts, but page 32 reaches FlashInfer: "
+                "that is the 32-token sliding-window cache of a SWA-only layer (not a "
+                "ratio-2 page, as the report says); FlashInfer 0.7.0.post1 rejects it on the "
+                "first request (page_block_size=32), and SM120's indexer takes only 64-state "
+                "pages while ratio-1 layers get 128",
+            )
+        )
+    findings += predicted_geometry(serve)
+    findings.append(
+        Finding(
+            "info",
+            name,
+            "PR #56509 (64-token kernel blocks inside 128-token blocks) "
+            "starts but writes ratio-1 latents through untranslated slots into other "
+            "layers' pages: U+FFFD output; do not serve with it",
+        )
+    )
+    if (serve.moe_backend or "auto") in ("triton", "b12x"):
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"--moe-backend {serve.moe_backend} is not supported on SM120",
+                f"leave it on auto (DEEPGEMM_MXFP4) or use {MOE_MARLIN_FLAG}",
+            )
+        )
+    findings.append(fix_verdict(env, name))
+    return findings
+
+
+SPLIT_ERROR_0_34 = (
+    "ValueError: FLASHINFER_MLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed "
+    "128-token KV cache blocks cannot be split into."
+)
+
+
+# Commands doctor suggests; tests run both (tests/test_selftest.py, tests/test_smoke.py).
+SELFTEST_COMMAND = "vllm-mla-fixes selftest"
+
+
+SMOKE_COMMAND = "vllm-mla-fixes smoke http://<host>:<port>"
+
+
+# Serve flags doctor suggests; tests check them with each affected release's own config classes.
+INDEXER_FP8_FLAG = '--attention-config \'{"indexer_kv_dtype": "fp8"}\''
+
+
+MOE_MARLIN_FLAG = "--moe-backend marlin"
+
+
+PREDICTION_MODULE = "vllm_mla_fixes.reproductions.dsv41_prediction"
+
+
+PREDICTION_TIMEOUT_S = 900
+
+
+def predicted_geometry(serve) -> list:
+    """doctor's findings on what ``serve`` gets on SM12x, from a fresh
+    interpreter that runs the fix's own decision on the engine config vLLM's
+    parser builds from the line (works where no GPU is visible)."""
+    import json
+    import subprocess
+
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    command = [sys.executable, "-m", PREDICTION_MODULE]
+    if serve.model_config:
+        command += ["--model-config", json.dumps(serve.model_config)]
+    # Planning only: the GPU is not needed, and is not touched.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        done = subprocess.run(
+            [*command, "--", *serve.raw],
+            capture_output=True,
+            text=True,
+            timeout=PREDICTION_TIMEOUT_S,
+            env=env,
+        )
+        lines = done.stdout.strip().splitlines()
+        prediction = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        done, prediction = None, None
+        failure = f"{type(exc).__name__}: {exc}"
+    if prediction is not None and "error" in prediction:
+        return [
+            Finding(
+                "error",
+                name,
+                f"vLLM rejects this serve line: {prediction['error']}",
+                "correct the line; `vllm serve` would stop with the same error",
+            )
+        ]
+    if prediction is None:
+        if done is not None:
+            tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            failure = tail[-1] if tail else f"exit status {done.returncode}"
+        return [
+            Finding(
+                "warn",
+                name,
+                f"could not predict this line's KV geometry on SM12x ({failure})",
+                f"run `python -m {PREDICTION_MODULE} -- <serve args>` to see the full error",
+            )
+        ]
+    return _prediction_findings(prediction)
+
+
+def _prediction_findings(prediction: dict) -> list:
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    settings = prediction["settings"]
+    findings = [
+        Finding(
+            "info",
+            name,
+            f"on SM12x this line gets the {prediction['geometry']} geometry: "
+            f"{prediction['reason']} (the fix's own geometry_decision, on the engine config "
+            f"vLLM {prediction['vllm']}'s `vllm serve` parser builds from this line; "
+            f"{prediction['platform']}); --block-size does not decide these pages on SM12x",
+        )
+    ]
+    figures = "; ".join(
+        f"max_model_len {c['max_model_len']}: {c['tokens_per_gib']:,} tokens = "
+        f"{c['tokens_per_gib'] / c['upstream_128']:.3f}x upstream --block-size 128 "
+        f"({c['upstream_128']:,}) and {c['tokens_per_gib'] / c['upstream_64']:.3f}x "
+        f"--block-size 64 ({c['upstream_64']:,})"
+        for c in prediction["capacity"]
+    )
+    findings.append(
+        Finding(
+            "info",
+            name,
+            f"KV capacity of that geometry per GiB per rank (vLLM's planner, DeepSeek-V4.1-Flash "
+            f"layout): {figures}",
+        )
+    )
+    if settings["kv_offloading_backend"] and settings["kv_offloading_size"] is None:
+        findings.append(
+            Finding(
+                "info",
+                name,
+                f"--kv-offloading-backend {settings['kv_offloading_backend']} without "
+                f"--kv-offloading-size enables nothing in vLLM {prediction['vllm']} "
+                "(offloading starts only with a size), so it is not offloading here",
+            )
+        )
+    findings += _shape_findings(prediction)
+    return findings
+
+
+def _shape_findings(prediction: dict) -> list:
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    tp = prediction["settings"]["tensor_parallel_size"]
+    shapes = prediction["shapes"]
+    broken = [shape.get("error") for shape in shapes if "error" in shape]
+    if broken:
+        return [Finding("warn", name, f"per-rank FlashInfer shape not checked: {broken[0]}")]
+
+    def described(shape: dict) -> str:
+        extra = f", extra page {shape['extra_page']}" if shape["extra_page"] else ""
+        return (
+            f"{shape['heads']} heads (TP {tp}), top-k {shape['topk']}, page {shape['page']}"
+            f"{extra} ({shape['role']})"
+        )
+
+    version = shapes[0]["flashinfer"]
+    findings = []
+    missing = [shape for shape in shapes if not shape["decode_kernel"]]
+    for shape in missing:
+        reported = f"; reported in {shape['reported']}" if shape["reported"] else ""
+        findings.append(
+            Finding(
+                "error",
+                name,
+                f"FlashInfer {version} has no SM120 sparse-MLA decode kernel for this rank's "
+                f"shape: {described(shape)} (flashinfer.mla.supported_sparse_mla_sm120_configs())"
+                f"{reported}",
+                f"use FlashInfer {RUNTIME_ENVELOPE_FLASHINFER} or newer (its DSV4 decode envelope "
+                "takes any head count up to 128 and any top-k), or another --tensor-parallel-size",
+            )
+        )
+    accepted = [shape for shape in shapes if shape["decode_kernel"]]
+    if accepted:
+        reports = [f"{described(s)}: {s['reported']}" for s in accepted if s["reported"]]
+        findings.append(
+            Finding(
+                "ok",
+                name,
+                f"FlashInfer {version}'s SM120 decode envelope takes this rank's shapes: "
+                + "; ".join(described(shape) for shape in accepted)
+                + (
+                    f" (a shape users hit on older FlashInfer: {'; '.join(reports)})"
+                    if reports
+                    else ""
+                )
+                + "; supported_sparse_mla_sm120_configs() describes decode kernels only, so "
+                "prefill is not checked here",
+            )
+        )
+    return findings
+
+
+RUNTIME_ENVELOPE_FLASHINFER = "0.7.0.post1"
+"""Oldest FlashInfer in this project's locks (vLLM 0.32.0's): its DSV4 decode
+envelope takes any head count up to 128 and any top-k.  FlashInfer 0.6.18
+(main as of 2026-08-22) instantiated fixed (heads, top-k) pairs with top-k in
+{128, 192, 256, 512, 1024}: 64 heads with top-k 1152 (vllm#56837) had neither
+a decode nor a prefill kernel there."""
