@@ -331,7 +331,7 @@ def test_every_pip_remedy_is_one_of_the_checked_ones():
     sources = [
         ROOT / "vllm_mla_fixes" / "doctor.py",
         ROOT / "vllm_mla_fixes" / "report.py",
-        *sorted((ROOT / "vllm_mla_fixes" / "fixes").glob("*.py")),
+        *sorted((ROOT / "vllm_mla_fixes" / "fixes").rglob("*.py")),
     ]
     remedies = sorted(
         {
