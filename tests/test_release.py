@@ -110,7 +110,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 @pytest.mark.vllm_release("0.34.0")
 def test_plugin_from_a_package_index_lists_all_three_fixes(tmp_path):
-    """README "Install", way 1, as far as a machine without PyPI's copy can go:
+    """docs/install.md, way 1, as far as a machine without PyPI's copy can go:
     the built wheel served by a PEP 503 index, ``pip install vllm-mla-fixes``
     into a fresh vLLM 0.34.0 environment, then ``vllm-mla-fixes status``."""
     index = tmp_path / "index"
