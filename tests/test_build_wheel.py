@@ -150,7 +150,7 @@ def test_patched_wheel_installs_and_applies_the_025_fixes(built, tmp_path):
 
 
 def test_release_download_is_checked_with_sha256sum(built, tmp_path):
-    """README "Install", way 2: the patched wheel and SHA256SUMS from a release,
+    """docs/install.md, way 2: the patched wheel and SHA256SUMS from a release,
     checked with ``sha256sum -c --ignore-missing SHA256SUMS`` before installing."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import release_check

@@ -18,8 +18,9 @@ import dataclasses
 import pytest
 import torch
 
-# The connector worker is the same code on 0.32.0-0.34.0 (README); the full
-# self-test runs the passing case on all three.  One release keeps CI cheap.
+# The connector worker is the same code on 0.32.0-0.34.0
+# (docs/fixes/dsv41-sm120-geometry.md); the full self-test runs the passing case
+# on all three.  One release keeps CI cheap.
 pytestmark = pytest.mark.vllm_release("0.34.0")
 
 

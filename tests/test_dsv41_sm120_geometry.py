@@ -823,7 +823,7 @@ def test_dspark_with_three_drafter_layers_holds_more_than_upstream_block_128(req
     --block-size 128 capacity (same model, same drafter layers) at 8k and 128k
     where the drafter pages hold 128 rows.  0.32.0's FlashInfer decodes 64-row
     primary pages only: there the drafter layers open a tenth KV-cache group,
-    and the split holds 0.993x / 0.997x (README, issue 18's closing note)."""
+    and the split holds 0.993x / 0.997x (docs/measurements.md, issue 18's closing note)."""
     from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
 
     drafters = (0, 0, 0)

@@ -59,7 +59,8 @@ def test_release_workflow_publishes_by_trusted_publishing_only():
     workflow = (ROOT / ".github" / "workflows" / "release.yml").read_text()
     pypi_job = workflow[workflow.index("\n  pypi:") :]
     assert "id-token: write" in pypi_job and "uses: pypa/gh-action-pypi-publish@" in pypi_job
-    assert "needs: [build, check]" in pypi_job  # nothing is published unless every check passed
+    # nothing is published unless every check passed and the GitHub release exists
+    assert "needs: [build, check, github]" in pypi_job
     assert "secrets." not in workflow and "password" not in workflow  # no stored token
 
 
@@ -110,7 +111,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 @pytest.mark.vllm_release("0.34.0")
 def test_plugin_from_a_package_index_lists_all_three_fixes(tmp_path):
-    """README "Install", way 1, as far as a machine without PyPI's copy can go:
+    """docs/install.md, way 1, as far as a machine without PyPI's copy can go:
     the built wheel served by a PEP 503 index, ``pip install vllm-mla-fixes``
     into a fresh vLLM 0.34.0 environment, then ``vllm-mla-fixes status``."""
     index = tmp_path / "index"

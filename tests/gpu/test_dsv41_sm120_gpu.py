@@ -299,7 +299,7 @@ def run_problems(result: dict, prompts: int, eager: bool) -> list[str]:
 @dataclass(frozen=True)
 class UpstreamOutcome:
     """What unpatched vLLM does with the report's line, per release and
-    block size (README, dossier; reproduced on CPU by ``selftest``)."""
+    block size (docs/fixes/dsv41-sm120-geometry.md, dossier; reproduced on CPU by ``selftest``)."""
 
     starts: bool
     error_text: str | None = None  # the log line that names the failure

@@ -449,9 +449,9 @@ def test_bench_serve_the_reports_line_with_plugin(sm100, tmp_path, tmp_path_fact
 
 
 def test_llm_without_plugin_trtllm_ragged_prefill_workaround(sm100, tmp_path, tmp_path_factory):
-    """Proves: the README's other workaround, TRTLLM_RAGGED MLA prefill, serves every
-    prompt of the FA4 case unpatched, and does so by keeping prefill off FA4 (no real
-    FA4 call), not by luck."""
+    """Proves: the other workaround in docs/fixes/fa4-compile-strides.md, TRTLLM_RAGGED MLA
+    prefill, serves every prompt of the FA4 case unpatched, and does so by keeping prefill
+    off FA4 (no real FA4 call), not by luck."""
     calls = tmp_path / "calls.jsonl"
     returncode, log, result = run_case(
         _env(calls, VLLM_PLUGINS=""),

@@ -1,8 +1,8 @@
 """Compare vLLM's own test outcomes with the fix off and on (``upstream-tests-*`` nox session).
 
-    python compare_outcomes.py fix-off.json fix-on.json README.md
+    python compare_outcomes.py fix-off.json fix-on.json docs/testing.md
 
-The README's table between ``<!-- upstream-test-differences -->`` and
+The table in docs/testing.md between ``<!-- upstream-test-differences -->`` and
 ``<!-- end of upstream-test-differences -->`` lists every difference the fix
 intends: test id, outcome with the fix off, outcome with it on, and why.  Exit
 0 when the runs differ in exactly those tests, as listed; 1 otherwise, printing
@@ -20,11 +20,11 @@ START = "<!-- upstream-test-differences -->"
 END = "<!-- end of upstream-test-differences -->"
 
 
-def intended_differences(readme: str) -> dict[str, tuple[str, str]]:
-    """test id -> (outcome fix off, outcome fix on), from the README's table."""
-    start, end = readme.index(START), readme.index(END)
+def intended_differences(document: str) -> dict[str, tuple[str, str]]:
+    """test id -> (outcome fix off, outcome fix on), from the document's table."""
+    start, end = document.index(START), document.index(END)
     listed = {}
-    for line in readme[start:end].splitlines():
+    for line in document[start:end].splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) < 4 or not cells[0].startswith("`"):
             continue  # the header, its rule, prose
@@ -42,11 +42,11 @@ def differences(off: dict[str, str], on: dict[str, str]) -> dict[str, tuple[str,
     }
 
 
-def main(off_path: str, on_path: str, readme_path: str) -> int:
+def main(off_path: str, on_path: str, document_path: str) -> int:
     off = json.loads(Path(off_path).read_text())
     on = json.loads(Path(on_path).read_text())
     found = differences(off, on)
-    listed = intended_differences(Path(readme_path).read_text())
+    listed = intended_differences(Path(document_path).read_text())
     for name, run in (("fix off", off), ("fix on", on)):
         counts = Counter(run.values())
         print(
@@ -62,10 +62,10 @@ def main(off_path: str, on_path: str, readme_path: str) -> int:
     if unlisted or missing:
         print(
             f"{len(unlisted)} unlisted difference(s), {len(missing)} listed difference(s) not "
-            "seen: the fix changes vLLM's own tests in ways the README does not state"
+            f"seen: the fix changes vLLM's own tests in ways {document_path} does not state"
         )
         return 1
-    print(f"{len(found)} difference(s), each listed in the README with its reason")
+    print(f"{len(found)} difference(s), each listed in {document_path} with its reason")
     return 0
 
 
