@@ -548,7 +548,7 @@ class applied:
 
     def __init__(self, capability: tuple[int, int] = (12, 0)):
         self.capability = capability
-        self.result = None
+        self.result: patching.AppliedFix | None = None
 
     def __enter__(self):
         from vllm_mla_fixes.patching import run_fix

@@ -23,10 +23,12 @@ def applied_fix(capability: tuple[int, int] = (12, 0)):
     if result.status.state is not State.APPLIED:
         status = result.status
         raise FixUnavailable(f"the fix did not apply: {status.label()} ({status.reason})")
+    patch = result.patch
+    assert patch is not None, "run_fix returns every applied fix with its patch"
     try:
         yield result
     finally:
-        result.patch.revert()
+        patch.revert()
 
 
 @contextlib.contextmanager

@@ -607,7 +607,7 @@ class Run:
                 pos = pos0 + row - first
                 lo = max(0, pos - model.sliding_window + 1, lower[r])
                 kv = [self.dense_swa(name, layer)[lo : pos + 1]]
-                if ratio:
+                if source is not None:  # a compressed layer (ratio > 0)
                     kv.append(self.dense_compressed(name, source, ratio)[chosen[row]])
                 dense = ref.sink_softmax_attention(
                     q_cpu[row], torch.cat(kv), reader.attn_sink.cpu(), reader.scale

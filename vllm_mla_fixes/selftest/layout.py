@@ -220,9 +220,9 @@ def upstream_block_size() -> int:
 # --------------------------------------------------------------------------
 
 
-@dataclass
-class CacheLayer:
-    """One KV cache of the tiny model."""
+@dataclass(frozen=True)
+class CacheModule:
+    """One KV cache of the tiny model as its layer builds it, before vLLM plans it."""
 
     name: str
     kind: str  # "swa" | "compressed" | "indexer" | "ring"
@@ -230,11 +230,38 @@ class CacheLayer:
     ratio: int
     module: Any  # the vLLM module (or attention stand-in self) whose bind_kv_cache binds it
     backend: type
-    spec: Any = None  # the layer's spec as grouped (per layer, not per group)
-    group_id: int = -1
-    manager_view: torch.Tensor | None = None  # [blocks, H, N, C] from allocate_kv_cache
-    bound: torch.Tensor | None = None  # what the layer holds after bind_kv_cache
-    attn_group: Any = None
+
+
+@dataclass(frozen=True)
+class CacheGrouping:
+    """Where vLLM's planner put one cache: its spec, group and attention group."""
+
+    spec: Any  # the layer's spec as grouped (per layer, not per group)
+    group_id: int
+    attn_group: Any
+
+
+@dataclass(frozen=True)
+class CacheLayer(CacheGrouping, CacheModule):
+    """One KV cache of the tiny model, planned, allocated and bound."""
+
+    manager_view: torch.Tensor  # [blocks, H, N, C] from allocate_kv_cache
+    bound: torch.Tensor  # what the layer holds after bind_kv_cache
+
+    @classmethod
+    def of(
+        cls,
+        cache: CacheModule,
+        grouping: CacheGrouping,
+        manager_view: torch.Tensor,
+        bound: torch.Tensor,
+    ) -> CacheLayer:
+        return cls(
+            **{f.name: getattr(cache, f.name) for f in dataclasses.fields(CacheModule)},
+            **{f.name: getattr(grouping, f.name) for f in dataclasses.fields(CacheGrouping)},
+            manager_view=manager_view,
+            bound=bound,
+        )
 
 
 @dataclass
@@ -338,7 +365,7 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
         DeepseekV4FlashInferMLASparseBackend,
     )
 
-    caches: dict[str, CacheLayer] = {}
+    caches: dict[str, CacheModule] = {}
     readers: dict[int, Any] = {}
     with set_current_vllm_config(cfg):
         for layer, ratio in enumerate(model.compress_ratios):
@@ -360,14 +387,14 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
                 bounded_replay=True,
             )
             reader.swa_cache_layer = swa
-            caches[swa.prefix] = CacheLayer(
+            caches[swa.prefix] = CacheModule(
                 swa.prefix, "swa", layer, ratio, swa, swa.get_attn_backend()
             )
             if layer not in model.kv_sources:
                 continue
             # Registered in the forward context as DeepseekV4Attention.__init__ does.
             cfg.compilation_config.static_forward_context[prefix] = reader
-            caches[prefix] = CacheLayer(
+            caches[prefix] = CacheModule(
                 prefix, "compressed", layer, ratio, reader, DeepseekV4FlashInferMLASparseBackend
             )
             index = attention.DeepseekV4IndexerCache(
@@ -377,7 +404,7 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
                 cache_config=cfg.cache_config,
                 compress_ratio=ratio,
             )
-            caches[index.prefix] = CacheLayer(
+            caches[index.prefix] = CacheModule(
                 index.prefix, "indexer", layer, ratio, index, index.get_attn_backend()
             )
             if ratio > 1:
@@ -386,13 +413,13 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
                     dtype=torch.float32,
                     prefix=f"{prefix}.compressor.state_cache",
                 )
-                caches[ring.prefix] = CacheLayer(
+                caches[ring.prefix] = CacheModule(
                     ring.prefix, "ring", layer, ratio, ring, ring.get_attn_backend()
                 )
     return caches, readers
 
 
-def _spec_of(cache: CacheLayer, cfg: SimpleNamespace):
+def _spec_of(cache: CacheModule, cfg: SimpleNamespace):
     if cache.kind == "compressed":
         from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 
@@ -400,7 +427,7 @@ def _spec_of(cache: CacheLayer, cfg: SimpleNamespace):
     return cache.module.get_kv_cache_spec(cfg)
 
 
-def _bind(cache: CacheLayer, view: torch.Tensor) -> torch.Tensor:
+def _bind(cache: CacheModule, view: torch.Tensor) -> torch.Tensor:
     if cache.kind == "compressed":
         from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 
@@ -461,14 +488,14 @@ def build_layout(
     device = torch.device(device)
     block_size = model.block_size if geometry.via_plugin else upstream_block_size()
     cfg = make_config(model, block_size, kv_connector=geometry.kv_connector)
-    caches, readers = _make_caches(model, cfg, device)
+    modules, readers = _make_caches(model, cfg, device)
 
     # Specs as attn_utils.get_kv_cache_spec builds them.
     specs = {}
-    for name, cache in caches.items():
-        spec = _spec_of(cache, cfg)
+    for name, module in modules.items():
+        spec = _spec_of(module, cfg)
         if isinstance(spec, AttentionSpec):
-            spec = customize_attention_spec(cache.backend, spec)
+            spec = customize_attention_spec(module.backend, spec)
         specs[name] = spec
 
     planner = _kv_cache_planner()
@@ -477,21 +504,20 @@ def build_layout(
 
     # Phase 1 of init_attn_backend: one AttentionGroup per (backend, spec).
     attn_groups: list[list[Any]] = []
+    grouping: dict[str, CacheGrouping] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         keyed: dict[tuple, Any] = {}
         for name in group.layer_names:
-            cache = caches[name]
+            backend = modules[name].backend
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            cache.spec = spec
-            cache.group_id = gid
-            key = (cache.backend.full_cls_name(), spec)
+            key = (backend.full_cls_name(), spec)
             if key not in keyed:
-                keyed[key] = AttentionGroup(cache.backend, [name], spec, gid)
+                keyed[key] = AttentionGroup(backend, [name], spec, gid)
             else:
                 keyed[key].layer_names.append(name)
-            cache.attn_group = keyed[key]
+            grouping[name] = CacheGrouping(spec, gid, keyed[key])
         attn_groups.append(list(keyed.values()))
 
     kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
@@ -508,9 +534,10 @@ def build_layout(
     all_groups = [g for gs in attn_groups for g in gs]
     guard_error = _upstream_refusal(kv_caches, all_groups)
     bindable = map_kv_caches_to_kernel_blocks(kv_caches, all_groups)
-    for name, cache in caches.items():
-        cache.manager_view = kv_caches[name]
-        cache.bound = _bind(cache, bindable[name])
+    caches = {
+        name: CacheLayer.of(module, grouping[name], kv_caches[name], _bind(module, bindable[name]))
+        for name, module in modules.items()
+    }
 
     storage = storage_bytes(next(iter(kv_caches.values())))
     storage.fill_(sentinel)

@@ -180,8 +180,8 @@ class Report:
                     )
                 )
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-        for i, row in enumerate(table):
-            lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(row)).rstrip())
+        for i, cells in enumerate(table):
+            lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(cells)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("")

@@ -341,7 +341,9 @@ class Worker:
         )
         self.num_computed = torch.zeros(model.max_num_seqs, dtype=torch.int32, device=layout.device)
         self.rows: dict[str, int] = {}
-        self.replay_groups = None
+        # Decoder replay's copies of the attention groups (the replayed layers', the
+        # first SWA layer's), made once as DeepseekV41ModelState makes them.
+        self.replay_groups: tuple[list[list[Any]], list[list[Any]]] | None = None
 
     # ---------------------------------------------------------------- a step
 
@@ -541,10 +543,9 @@ class Worker:
                 ),
             )
         replay_groups, first_swa_groups = self.replay_groups
-        kept_batch = _KeptBatch(batch)
         metadata = self._build(
             replay_groups,
-            kept_batch,
+            batch,
             num_reqs,
             num_kept,
             kept_qsl,
@@ -554,7 +555,7 @@ class Worker:
         )
         metadata[first_swa] = self._build(
             first_swa_groups,
-            kept_batch,
+            batch,
             num_reqs,
             num_kept,
             kept_qsl,
@@ -578,15 +579,6 @@ class Worker:
             if layer in model.kv_sources:
                 prefixes.add(f"model.layers.{layer}.self_attn.indexer.k_cache")
         return prefixes, f"model.layers.{model.cut}.self_attn.swa_cache"
-
-
-class _KeptBatch:
-    """The kept rows' view of a batch for ``Worker._build``."""
-
-    def __init__(self, batch: Batch):
-        self.seq_lens = batch.seq_lens
-        self.block_tables = batch.block_tables
-        self.prefilling = batch.prefilling
 
 
 # ------------------------------------------------------------------ offloading
