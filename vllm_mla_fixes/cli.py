@@ -121,8 +121,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         with logs_to_stderr():
             env, serve, findings = doctor.diagnose(serve_args)
     except doctor.DoctorInputError as exc:
-        print(f"doctor: {exc}")
-        return 2
+        return doctor.input_error(str(exc), as_json=args.json)
     return doctor.report(env, serve, findings, as_json=args.json)
 
 
@@ -194,10 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         "verify", help="reproduce each failure of the installed vLLM on CPU, then fix it"
     )
     verify.set_defaults(func=cmd_verify)
+    from vllm_mla_fixes.doctor import HELP_EPILOG as DOCTOR_EPILOG
+
     doctor = sub.add_parser(
         "doctor",
         help="check this environment and, after --, a `vllm serve` line",
         usage="vllm-mla-fixes doctor [--json] [-- <vllm serve args>]",
+        epilog=DOCTOR_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument("--json", action="store_true")
     doctor.add_argument("serve_args", nargs=argparse.REMAINDER)

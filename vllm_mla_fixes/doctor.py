@@ -1,9 +1,10 @@
 """``vllm-mla-fixes doctor [--json] [-- <vllm serve args>]``.
 
 Reports the environment (the reports' checklists, automated) and, given the
-operator's serve line, which known failure that line would hit here, whether
-a fix of this package covers it, and what to do.  It never raises: bad input
-gets one clear line.
+operator's serve line, which known failure that line would hit on the node
+that serves it, whether a fix of this package covers it, and what to do; then
+one verdict.  The line is first checked by the installed vLLM's own parser and
+config classes.  It never raises: bad input gets one clear line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import os
 import shlex
+import sys
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
@@ -23,10 +25,32 @@ from vllm_mla_fixes.report import (
     Environment,
     Finding,
     ServeLine,
+    architectures_by_name,
     major_minor,
     plugins_advice,
     release_finding,
 )
+
+READY = "READY"
+READY_WITH_WARNINGS = "READY WITH WARNINGS"
+WILL_FAIL = "WILL FAIL"
+EXIT_STATUS = {READY: 0, READY_WITH_WARNINGS: 1, WILL_FAIL: 2}
+HELP_EPILOG = f"""\
+The last line of the report is the verdict, for the node that serves the line
+(with the plugin loaded there, as `vllm serve` loads it):
+  {READY}                  nothing known stops this line      exit status 0
+  {READY_WITH_WARNINGS}    it starts; read the WARN lines     exit status 1
+  {WILL_FAIL}: <reason>      it stops, or cannot be checked     exit status 2
+The serve line is checked by the installed vLLM's own parser and config classes;
+what they reject is quoted, in vLLM's words.  A line with no model, or that
+doctor cannot read, is exit status 2 with one line on stderr.
+--json prints one JSON document on stdout: the report with "verdict", "reason"
+and "exit_status", or {{"error": ..., "exit_status": 2}}.
+
+examples:
+  vllm-mla-fixes doctor
+  vllm-mla-fixes doctor -- vllm serve deepseek-ai/DeepSeek-V4.1-Flash --block-size 64
+"""
 
 PACKAGES = (
     "vllm",
@@ -151,28 +175,55 @@ def _json_option(value: str | None, flag: str) -> dict:
     return parsed
 
 
-def _model_config(model: str | None) -> dict:
-    """config.json of a local model directory, or of a Hugging Face cache snapshot."""
+def hub_cache() -> Path:
+    """The Hugging Face hub cache folder, as huggingface_hub resolves it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "huggingface"
+    )
+    return Path(home) / "hub"
+
+
+def _model_config(model: str | None) -> tuple[dict, str]:
+    """config.json of a local model folder, or of its hub cache snapshot (the
+    one ``refs/main`` names first), and where it was read."""
     if not model:
-        return {}
-    candidates = [Path(model) / "config.json"]
-    hub = Path(os.environ.get("HF_HUB_CACHE", Path.home() / ".cache" / "huggingface" / "hub"))
-    candidates += sorted(hub.glob(f"models--{model.replace('/', '--')}/snapshots/*/config.json"))
-    for path in candidates:
+        return {}, ""
+    repo = hub_cache() / f"models--{model.replace('/', '--')}"
+    candidates = [(Path(model) / "config.json", "config.json in the model folder")]
+    try:
+        main = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+        candidates.append((repo / "snapshots" / main / "config.json", "hub cache"))
+    except OSError:
+        pass
+    candidates += [(path, "hub cache") for path in sorted(repo.glob("snapshots/*/config.json"))]
+    for path, where in candidates:
         try:
             with open(path, encoding="utf-8") as f:
-                return json.load(f)
+                config = json.load(f)
         except (OSError, json.JSONDecodeError):
             continue
-    return {}
+        if isinstance(config, dict):
+            return config, f"{where}: {path}"
+    return {}, ""
+
+
+def _model(model: str | None) -> tuple[dict, list[str], str]:
+    """The model's config, architectures and where they come from."""
+    config, source = _model_config(model)
+    if config:
+        return config, list(config.get("architectures") or []), source
+    by_name = architectures_by_name(model or "")
+    elsewhere = f"no config.json in {model!r} or under {hub_cache()}"
+    if by_name:
+        return {}, by_name, f"by its name ({elsewhere})"
+    return {}, [], elsewhere
 
 
 def parse_serve_args(argv: list[str]) -> ServeLine:
     """The flags of a ``vllm serve`` line that matter to the known failures."""
-    if argv and argv[0] == "vllm":
-        argv = argv[1:]
-    if argv and argv[0] == "serve":
-        argv = argv[1:]
+    argv = line_arguments(argv)
     expanded = []
     for arg in argv:  # vLLM also accepts --group.key=value
         if arg.startswith("--") and "." in arg.split("=", 1)[0]:
@@ -212,10 +263,10 @@ def parse_serve_args(argv: list[str]) -> ServeLine:
     for value in known.attention_config or []:
         attention_config.update(_json_option(value, "--attention-config"))
     model = known.model or known.model_tag
-    config = _model_config(model)
+    config, architectures, source = _model(model)
     return ServeLine(
         model=model,
-        architectures=list(config.get("architectures") or []),
+        architectures=architectures,
         model_config=config,
         kv_cache_dtype=known.kv_cache_dtype,
         attention_backend=known.attention_backend,
@@ -233,6 +284,7 @@ def parse_serve_args(argv: list[str]) -> ServeLine:
         decode_context_parallel_size=known.decode_context_parallel_size,
         prefill_context_parallel_size=known.prefill_context_parallel_size,
         raw=argv,
+        model_source=source,
     )
 
 
@@ -280,16 +332,91 @@ def environment_findings(env: Environment) -> list[Finding]:
     return findings
 
 
+def line_arguments(serve_args: list[str]) -> list[str]:
+    """A serve line's arguments, without its leading ``vllm serve``."""
+    argv = list(serve_args)
+    if argv[:1] == ["vllm"]:
+        argv = argv[1:]
+    return argv[1:] if argv[:1] == ["serve"] else argv
+
+
+def _no_model(default: str | None) -> str:
+    served = f"vLLM's default model, {default}" if default else "vLLM's default model"
+    return (
+        f"the serve line names no model (`vllm serve` would serve {served}); "
+        "name it: vllm-mla-fixes doctor -- vllm serve <model> [options]"
+    )
+
+
+def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
+    """The line through the installed vLLM's own parser and model-free config
+    classes: an error in vLLM's words, else which of them accept it.  Raises
+    DoctorInputError when the line names no model."""
+    from vllm_mla_fixes import serve_line
+
+    with serve_line.cuda_device_type_while_parsing():
+        try:
+            args = serve_line.parse(argv)
+            if not serve_line.model_given(argv, args):
+                raise DoctorInputError(_no_model(serve_line.default_model()))
+            built = serve_line.check_configs(args)
+        except serve_line.Rejected as exc:
+            return Finding(
+                "error",
+                "serve line",
+                f"vLLM {vllm_version} rejects this line: {exc}",
+                "correct the line: `vllm serve` stops on it too",
+            )
+    checked = f" and its {', '.join(built)}" if built else ""
+    return Finding(
+        "ok",
+        "serve line",
+        f"vLLM {vllm_version}'s `vllm serve` parser{checked} accept this line "
+        "(the model's own config is checked when vLLM starts)",
+    )
+
+
 def diagnose(
     serve_args: list[str], load_plugins: bool = True
 ) -> tuple[Environment, ServeLine | None, list[Finding]]:
     """Environment, parsed serve line and every fix's findings (each fix module
-    has ``diagnose(env, serve)``); raises DoctorInputError on a bad serve line."""
-    serve = parse_serve_args(serve_args) if serve_args else None
+    has ``diagnose(env, serve)``), judged as the node that serves the line sees
+    them; raises DoctorInputError on a line that names no model or cannot be read."""
+    argv = line_arguments(serve_args)
+    if serve_args and not argv:
+        raise DoctorInputError(_no_model(None))
+    installed = _package_version("vllm")
+    line_check = check_with_vllm(argv, installed) if argv and installed else None
+    rejected = line_check is not None and line_check.level == "error"
+    serve = None
+    if argv:
+        try:
+            serve = parse_serve_args(argv)
+        except DoctorInputError:
+            if not rejected:  # vLLM's own words say more, where it rejects the line
+                raise
+        if serve is not None and not serve.model:
+            raise DoctorInputError(_no_model(None))
     env = read_environment(load_plugins)
     findings = environment_findings(env)
     vllm_version = env.packages.get("vllm")
     if vllm_version is None:  # the environment findings say so; no fix can be judged
+        return env, serve, findings
+    if line_check is not None:
+        findings.append(line_check)
+    if rejected:  # the line never starts: nothing after the parser is reached
+        return env, serve, findings
+    if serve is not None and not serve.known_model():
+        findings.append(
+            Finding(
+                "info",
+                "model",
+                f"unknown model: not checked ({serve.model}: "
+                f"{', '.join(serve.architectures) or 'architecture unknown'}, "
+                f"{serve.model_source}); the failures known here are those of MLA models "
+                "(DeepSeek-V4.1, GLM-5.x, Kimi, DeepSeek-V3.x)",
+            )
+        )
         return env, serve, findings
     for fix in ALL_FIXES:
         decided = release_decision(fix.INFO, vllm_version)  # the plugin's own rule
@@ -300,6 +427,27 @@ def diagnose(
     return env, serve, findings
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    label: str  # READY | READY WITH WARNINGS | WILL FAIL
+    reason: str  # the first error, else the first warning, else ""
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS[self.label]
+
+    def line(self) -> str:
+        return f"{WILL_FAIL}: {self.reason}" if self.label == WILL_FAIL else self.label
+
+
+def verdict(findings: list[Finding]) -> Verdict:
+    for level, label in (("error", WILL_FAIL), ("warn", READY_WITH_WARNINGS)):
+        first = next((f for f in findings if f.level == level), None)
+        if first is not None:
+            return Verdict(label, f"{first.topic}: {first.message}")
+    return Verdict(READY, "")
+
+
 def report(
     env: Environment,
     serve: ServeLine | None,
@@ -307,7 +455,8 @@ def report(
     as_json: bool = False,
     print_=print,
 ) -> int:
-    """Print the report; exit status: 0 nothing blocks this line here, 1 something does."""
+    """Print the report and its verdict; return the verdict's exit status."""
+    judged = verdict(findings)
     if as_json:
         print_(
             json.dumps(
@@ -316,13 +465,27 @@ def report(
                     "environment": dataclasses.asdict(env),
                     "serve": dataclasses.asdict(serve) if serve else None,
                     "findings": [dataclasses.asdict(f) for f in findings],
+                    "verdict": judged.label,
+                    "reason": judged.reason,
+                    "exit_status": judged.exit_status,
                 },
                 indent=2,
             )
         )
     else:
         _print_human(env, serve, findings, print_)
-    return 1 if any(f.level == "error" for f in findings) else 0
+        print_(judged.line())
+    return judged.exit_status
+
+
+def input_error(message: str, as_json: bool = False) -> int:
+    """A line doctor cannot check: one line on stderr, or the JSON error document."""
+    status = EXIT_STATUS[WILL_FAIL]
+    if as_json:
+        print(json.dumps({"error": message, "exit_status": status}))
+    else:
+        print(f"vllm-mla-fixes doctor: {message}", file=sys.stderr)
+    return status
 
 
 def _print_human(
@@ -346,10 +509,9 @@ def _print_human(
     for name in env.fix_states:
         print_(f"  fix {name:<18} {env.fix_state(name)}: {env.fix_reason(name)}")
     if serve is not None:
-        print_(f"Serve line: {shlex.join(serve.raw)}")
-        print_(
-            f"  model {serve.model} ({', '.join(serve.architectures) or 'architecture unknown'})"
-        )
+        print_(f"Serve line: vllm serve {shlex.join(serve.raw)}")
+        architecture = ", ".join(serve.architectures) or "architecture unknown"
+        print_(f"  model {serve.model} ({architecture}; {serve.model_source})")
     print_("Findings")
     marks = {"ok": "ok  ", "info": "info", "warn": "WARN", "error": "FAIL"}
     for f in findings:

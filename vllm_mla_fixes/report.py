@@ -7,6 +7,7 @@ import it, and it imports neither.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from pathlib import Path
 
@@ -22,6 +23,20 @@ MLA_ARCHITECTURES = SPARSE_MLA_ARCHITECTURES | {
     "DeepseekV41ForCausalLM",
     "Mistral3ForConditionalGeneration",
 }
+# What a model's name says where its config.json is not on this machine (the
+# hub offline, the model not downloaded): the architecture its published
+# config.json declares.
+ARCHITECTURES_BY_NAME = (
+    (re.compile(r"deepseek-v4\.1", re.IGNORECASE), "DeepseekV41ForCausalLM"),
+    (re.compile(r"glm-5", re.IGNORECASE), "GlmMoeDsaForCausalLM"),
+    (re.compile(r"kimi-k2\.5", re.IGNORECASE), "KimiK25ForConditionalGeneration"),
+    (re.compile(r"kimi-k2(?![.\d])", re.IGNORECASE), "DeepseekV3ForCausalLM"),
+)
+
+
+def architectures_by_name(model: str) -> list[str]:
+    name = model.rstrip("/").rsplit("/", 1)[-1]
+    return [arch for pattern, arch in ARCHITECTURES_BY_NAME if pattern.search(name)][:1]
 
 
 @dataclasses.dataclass
@@ -70,6 +85,12 @@ class ServeLine:
     decode_context_parallel_size: int
     prefill_context_parallel_size: int
     raw: list[str]
+    model_source: str = ""  # where ``architectures`` come from
+
+    def known_model(self) -> bool:
+        """An MLA model, whose failures this package's fixes know."""
+        text = self.model_config.get("text_config", self.model_config)
+        return bool(set(self.architectures) & MLA_ARCHITECTURES) or "kv_lora_rank" in text
 
 
 def major_minor(version: str | None) -> tuple[int, ...] | None:
@@ -82,6 +103,14 @@ def major_minor(version: str | None) -> tuple[int, ...] | None:
 def fix_verdict(env: Environment, name: str) -> Finding:
     """Whether the plugin applies fix ``name`` in this environment, and if not, why."""
     state = env.fix_state(name)
+    serving_node = env.fix_states.get(name, {}).get("serving_node")
+    if state == "applied" and serving_node:
+        return Finding(
+            "ok",
+            name,
+            f"on {serving_node} the plugin applies the fix ({env.fix_reason(name)})",
+            "run the same serve line there",
+        )
     if state == "applied":
         return Finding(
             "ok", name, "the fix is applied in this environment", "run the same serve line"
@@ -114,6 +143,22 @@ def fix_verdict(env: Environment, name: str) -> Finding:
         f"the fix is not applied here: {described}",
         "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix",
     )
+
+
+def as_serving_node(env: Environment, name: str, node: str, state: str, reason: str) -> Environment:
+    """``env`` with fix ``name`` in the ``state`` the plugin gives it on
+    ``node`` (e.g. "an SM12x GPU"), for a fix this process cannot decide (no
+    such GPU here): doctor judges a line as the node that serves it sees it."""
+    judged = {"state": state, "reason": reason, "serving_node": node}
+    return dataclasses.replace(env, fix_states={**env.fix_states, name: judged})
+
+
+def covered_failure(env: Environment, name: str, failure: str) -> Finding:
+    """The failure fix ``name`` exists for, as the serving node meets it:
+    an error where the fix is not applied, else what the fix spares this line."""
+    if env.fix_state(name) == "applied":
+        return Finding("info", name, f"without the fix, {failure}; the fix covers this")
+    return Finding("error", name, failure)
 
 
 def release_finding(name: str, decided, newest_reviewed: str) -> Finding:

@@ -254,7 +254,12 @@ def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import SPARSE_MLA_ARCHITECTURES, Finding, fix_verdict
+    from vllm_mla_fixes.report import (
+        SPARSE_MLA_ARCHITECTURES,
+        Finding,
+        covered_failure,
+        fix_verdict,
+    )
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
@@ -306,8 +311,8 @@ def diagnose(env, serve) -> list:
         )
         return findings
     findings.append(
-        Finding(
-            "warn",
+        covered_failure(
+            env,
             name,
             f"vLLM {vllm_version} + sparse MLA + --kv-cache-dtype "
             f"{serve.kv_cache_dtype} (stored as {FP8_DS_MLA}, "
@@ -319,7 +324,7 @@ def diagnose(env, serve) -> list:
     if serve.enforce_eager:
         findings.append(
             Finding(
-                "warn",
+                "info" if env.fix_state(name) == "applied" else "warn",
                 name,
                 "--enforce-eager does not avoid this crash on 0.25.x: "
                 "KV-cache initialisation fails the same way after profiling is skipped",

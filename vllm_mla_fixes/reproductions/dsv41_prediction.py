@@ -9,8 +9,9 @@ and reads the one JSON document it prints.  The steps are the installed
 vLLM's own, then the fix's own:
 
 1. the serve line is parsed by ``vllm serve``'s parser (``ServeSubcommand``)
-   and turned into ``AsyncEngineArgs`` by ``from_cli_args`` (see
-   :func:`cuda_device_type_while_parsing` for a machine without a GPU);
+   and turned into ``AsyncEngineArgs`` by ``from_cli_args``
+   (:mod:`vllm_mla_fixes.serve_line`, which also lets a machine without a GPU
+   parse it);
 2. the engine settings the geometry depends on go into a real ``VllmConfig``,
    whose post-init resolves them as at start-up (``--kv-offloading-size``
    becomes an offloading connector; ``--kv-offloading-backend`` alone enables
@@ -26,11 +27,11 @@ vLLM's own, then the fix's own:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any
+
+from vllm_mla_fixes.serve_line import Rejected, cuda_device_type_while_parsing, engine_args
 
 # DeepSeek-V4.1-Flash's attention figures, used when the model's config.json
 # is not on this machine (third-party copies of it; the dossier's layout).
@@ -44,44 +45,6 @@ REPORTED_SHAPES = {
     (64, 1152): "vllm#56837 (DeepSeek-V4.1-Flash at TP1 on FlashInfer 0.6.18.post1: "
     "'SM120 sparse-MLA has no decode kernel for this shape')",
 }
-
-
-@contextlib.contextmanager
-def cuda_device_type_while_parsing() -> Iterator[str]:
-    """Where no GPU is visible, vLLM's platform is unspecified and its parser
-    cannot build its default device config ("Failed to infer device type").
-    The line is meant for a CUDA node: the platform reports device type
-    ``cuda`` while the line is parsed, and nothing else about it changes."""
-    import vllm.platforms as platforms
-
-    current = platforms.current_platform
-    if not current.is_unspecified():
-        yield f"platform {type(current).__name__}"
-        return
-    current.device_type = "cuda"  # instance attribute over the class's ""
-    try:
-        yield f"no GPU visible: {type(current).__name__} reported device type cuda while parsing"
-    finally:
-        del current.device_type
-
-
-def engine_args(serve_argv: list[str]) -> Any:
-    """``AsyncEngineArgs`` from ``vllm serve``'s own parser."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    argv = list(serve_argv)
-    if argv[:1] == ["vllm"]:
-        argv = argv[1:]
-    if argv[:1] != ["serve"]:
-        argv = ["serve", *argv]
-    parser = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
-    args = parser.parse_args(argv)
-    if getattr(args, "model_tag", None):  # `vllm serve MODEL` means --model MODEL
-        args.model = args.model_tag
-    return AsyncEngineArgs.from_cli_args(args)
 
 
 def engine_settings(args: Any):
@@ -185,7 +148,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
     with cuda_device_type_while_parsing() as platform:
         args = engine_args(serve_argv)
     settings = engine_settings(args)
-    block_size = args.block_size or capacity.BASELINE_BLOCK_SIZE
+    block_size = capacity.BASELINE_BLOCK_SIZE if args.block_size is None else args.block_size
     lens = (args.max_model_len,) if args.max_model_len else capacity.MAX_MODEL_LENS
     resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
     fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
@@ -245,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     model_config = json.loads(options.model_config) if options.model_config else None
     try:
         print(json.dumps(predict(serve, model_config)))
-    # vLLM rejects the line: its parser exits, its configs raise ValueError, its
+    # vLLM rejects the line: its parser stops, its configs raise ValueError, its
     # planner asserts (e.g. "DCP not support sliding window.")
-    except (ValueError, AssertionError, SystemExit) as exc:
+    except Rejected as exc:  # already in vLLM's words
+        print(json.dumps({"error": str(exc)}))
+        return 1
+    except (ValueError, AssertionError) as exc:
         first = str(exc).strip().splitlines()
         print(json.dumps({"error": f"{type(exc).__name__}: {' '.join(first[:2])}"}))
         return 1

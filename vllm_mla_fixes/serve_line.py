@@ -1,0 +1,187 @@
+"""What the installed vLLM's own parser and config classes make of a ``vllm serve`` line.
+
+``doctor`` checks the operator's line here before it judges it: ``vllm serve``'s
+parser (``ServeSubcommand`` on vLLM's ``FlexibleArgumentParser``), then each of
+vLLM's config classes that can be built without the model's files, from the
+options the line sets.  What they reject is reported in their own words: the
+line that ``vllm serve`` prints before it exits, or the config class's
+validation message with the flag it came from.
+
+Only this module and the DeepSeek-V4.1 prediction import vLLM's CLI: it costs
+seconds, so nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import io
+from collections.abc import Iterator
+from typing import Any
+
+# vLLM's config classes that can be built from the line's options alone (no
+# model files, no device); ModelConfig, SchedulerConfig, SpeculativeConfig and
+# VllmConfig need the model's config and are built only at start-up.
+MODEL_FREE_CONFIGS = (
+    "CacheConfig",
+    "ParallelConfig",
+    "KernelConfig",
+    "AttentionConfig",
+    "LoadConfig",
+    "CompilationConfig",
+    "ObservabilityConfig",
+    "StructuredOutputsConfig",
+    "LoRAConfig",
+)
+
+
+class Rejected(Exception):
+    """vLLM rejects the line; the message is vLLM's own."""
+
+
+@contextlib.contextmanager
+def cuda_device_type_while_parsing() -> Iterator[str]:
+    """Where no GPU is visible, vLLM's platform is unspecified and its parser
+    cannot build its default device config ("Failed to infer device type").
+    The line is meant for a CUDA node: the platform reports device type
+    ``cuda`` while the line is parsed, and nothing else about it changes."""
+    import vllm.platforms as platforms
+
+    current = platforms.current_platform
+    if not current.is_unspecified():
+        yield f"platform {type(current).__name__}"
+        return
+    current.device_type = "cuda"  # instance attribute over the class's ""
+    try:
+        yield f"no GPU visible: {type(current).__name__} reported device type cuda while parsing"
+    finally:
+        del current.device_type
+
+
+def as_serve_argv(argv: list[str]) -> list[str]:
+    """``[vllm] [serve] ARGS`` as ``serve ARGS``, the form vLLM's top-level parser takes."""
+    argv = list(argv)
+    if argv[:1] == ["vllm"]:
+        argv = argv[1:]
+    return argv if argv[:1] == ["serve"] else ["serve", *argv]
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+def _said(stderr: str) -> str:
+    """The error ``vllm serve`` prints before exiting, without argparse's usage
+    line and pydantic's documentation link."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if "error:" in line), None)
+    if start is None:
+        return lines[-1] if lines else ""
+    return "; ".join(
+        line for line in lines[start:] if not line.startswith("For further information")
+    )
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The namespace ``vllm serve`` builds from ``argv``; :class:`Rejected`
+    with its message where its parser stops.  ``vllm serve MODEL`` means
+    ``--model MODEL``, as in ``ServeSubcommand.cmd``."""
+    parser = _serve_parser()
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = parser.parse_args(as_serve_argv(argv))
+    except SystemExit as exc:  # argparse's parser.error(): usage and message on stderr
+        message = _said(said.getvalue()) or f"vllm serve exits with status {exc.code}"
+        raise Rejected(message) from None
+    except (ValueError, TypeError, OSError) as exc:  # e.g. an unreadable --config file
+        raise Rejected(f"{type(exc).__name__}: {exc}") from exc
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    return args
+
+
+def model_given(argv: list[str], args: argparse.Namespace) -> bool:
+    """Whether the line names a model (``vllm serve`` otherwise serves vLLM's default)."""
+    return bool(getattr(args, "model_tag", None)) or any(
+        arg == "--model" or arg.startswith("--model=") for arg in argv
+    )
+
+
+@functools.cache
+def _bare_line() -> dict[str, Any]:
+    """What ``vllm serve`` with no arguments gets."""
+    return vars(_serve_parser().parse_args(["serve"]))
+
+
+def default_model() -> str | None:
+    """The model ``vllm serve`` serves when the line names none."""
+    return _bare_line().get("model")
+
+
+def options_set(args: argparse.Namespace) -> dict[str, Any]:
+    """The options whose value differs from what ``vllm serve`` alone gets."""
+    baseline = _bare_line()
+    missing = object()
+    return {
+        name: value
+        for name, value in vars(args).items()
+        if name not in ("model", "model_tag") and baseline.get(name, missing) != value
+    }
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _validation_message(exc: Exception, class_name: str, given: dict[str, Any]) -> str:
+    """A pydantic ValidationError as 'FLAG VALUE: message' per error, else str(exc)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return f"{class_name}: {type(exc).__name__}: {exc}"
+    parts = []
+    for error in errors():
+        field = str(error["loc"][0]) if error.get("loc") else None
+        if field in given:
+            parts.append(f"{_flag(field)} {given[field]}: {error['msg']} ({class_name})")
+        else:
+            parts.append(f"{class_name}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def check_configs(args: argparse.Namespace) -> list[str]:
+    """Build each model-free config class of vLLM from the options the line
+    sets; :class:`Rejected` with the class's own message when one refuses.
+    Returns the names of the classes built."""
+    import vllm.config
+
+    options = options_set(args)
+    built = []
+    for class_name in MODEL_FREE_CONFIGS:
+        config_class = getattr(vllm.config, class_name, None)
+        if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
+            continue
+        fields = {f.name for f in dataclasses.fields(config_class) if f.init}
+        given = {name: value for name, value in options.items() if name in fields}
+        if not given:
+            continue
+        try:
+            config_class(**given)
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise Rejected(_validation_message(exc, class_name, given)) from exc
+        built.append(class_name)
+    return built
+
+
+def engine_args(serve_argv: list[str]) -> Any:
+    """``AsyncEngineArgs`` from ``vllm serve``'s own parser."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(parse(serve_argv))
