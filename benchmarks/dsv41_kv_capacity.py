@@ -5,13 +5,13 @@ from vLLM's own planner and start-up token figure, per GiB per TP rank, for the
 dossier's 40-layer DeepSeek-V4.1-Flash layout; the computation lives in
 ``vllm_mla_fixes.reproductions.dsv41_capacity`` (``doctor`` quotes it too).
 
-Rows: upstream ``--block-size 128`` (does not run on SM120: the baseline) and
-``--block-size 64`` (the only block size 0.34.0 starts with for
-DeepSeek-V4.1); the fix's default geometry (interleaved split) and its
+Rows: upstream ``--block-size 128`` and ``--block-size 64``; the fix's default geometry (interleaved split) and its
 fallback (per-ratio, forced with ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``);
 and the geometry the fix's own decision chooses for a serve line with a DSpark
 ``--speculative-config``, compared with upstream's layouts of the same model
-with DSpark's drafter layers.
+with DSpark's drafter layers.  The last column holds each row against the
+best upstream layout that works (starts, and every page inside the installed
+kernels' own envelopes), ``n/a`` where none does.
 
     CUDA_VISIBLE_DEVICES= python benchmarks/dsv41_kv_capacity.py \
         > benchmarks/results/dsv41_kv_capacity_<release>.txt
@@ -33,15 +33,26 @@ def main() -> None:
 
     from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
     from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.reproductions import dsv41_truth_table as table
 
-    rows = capacity.benchmark_rows(tuple(args.max_model_len))
+    lens = tuple(args.max_model_len)
+    # The fix decides from the kernel blocks vLLM's backends declare on the device.
+    with repro.sm120_platform():
+        rows = capacity.benchmark_rows(lens)
+        best = {
+            count: table.best_working_upstream(
+                (12, 0), repro.EngineSettings(drafter_ratios=(0,) * count), lens
+            )
+            for count in sorted({row.drafter_layers for row in rows})
+        }
     print(
         f"vLLM {vllm.__version__}, FlashInfer {repro.flashinfer_version()}: "
         "DeepSeek-V4.1-Flash KV capacity per GiB per rank (fp8_ds_mla, 584 B records)"
     )
     header = (
         "| geometry | max_model_len | groups | block stride (B) | blocks/GiB | "
-        "tokens/GiB (vLLM) | concurrency | context B/token | vs upstream 128 | vs upstream 64 |"
+        "tokens/GiB (vLLM) | concurrency | context B/token | vs upstream 128 | vs upstream 64 | "
+        "vs best working upstream |"
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
@@ -51,13 +62,23 @@ def main() -> None:
         print(
             f"| {row.label} | {row.max_model_len} | {row.groups} | {row.block_stride} | "
             f"{row.num_blocks} | {row.tokens:,} | {row.concurrency:.2f} | "
-            f"{row.context_bytes_per_token:.0f} | {vs128:.3f}x | {vs64:.3f}x |"
+            f"{row.context_bytes_per_token:.0f} | {vs128:.3f}x | {vs64:.3f}x | "
+            f"{_versus_best(row, best[row.drafter_layers])} |"
         )
     print()
     print("Geometry the fix chose for each fixed row (its geometry_decision on the row's config):")
     for row in rows:
         if row.geometry != "upstream" and row.max_model_len == rows[0].max_model_len:
             print(f"- {row.label.split(' (')[0]}: {row.geometry} ({row.reason})")
+
+
+def _versus_best(row, best: dict[int, int] | None) -> str:
+    """The row against the best upstream layout that starts and whose every
+    page the installed kernels' envelopes take (``n/a`` where none does);
+    upstream's own rows show their own figure."""
+    if best is None:
+        return "n/a"
+    return f"{row.tokens / best[row.max_model_len]:.3f}x"
 
 
 if __name__ == "__main__":

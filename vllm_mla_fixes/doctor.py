@@ -448,6 +448,16 @@ def verdict(findings: list[Finding]) -> Verdict:
     return Verdict(READY, "")
 
 
+DSV41_TOPIC = "dsv41-sm120-geometry"
+
+
+def dsv41_facts(findings: list[Finding]) -> dict | None:
+    """The DeepSeek-V4.1 line's upstream-versus-fix facts (``upstream_works``,
+    ``upstream_rejected``, ``decision``, ``vs_best_working_upstream``, ...), or
+    None where no DeepSeek-V4.1 serve line was judged."""
+    return next((f.facts for f in findings if f.topic == DSV41_TOPIC and f.facts), None)
+
+
 def report(
     env: Environment,
     serve: ServeLine | None,
@@ -465,6 +475,7 @@ def report(
                     "environment": dataclasses.asdict(env),
                     "serve": dataclasses.asdict(serve) if serve else None,
                     "findings": [dataclasses.asdict(f) for f in findings],
+                    "dsv41": dsv41_facts(findings),
                     "verdict": judged.label,
                     "reason": judged.reason,
                     "exit_status": judged.exit_status,

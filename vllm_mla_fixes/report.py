@@ -10,6 +10,7 @@ import dataclasses
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -45,6 +46,7 @@ class Finding:
     topic: str
     message: str
     advice: str = ""
+    facts: dict[str, Any] | None = None  # machine-readable facts behind the message (doctor --json)
 
 
 @dataclasses.dataclass

@@ -144,15 +144,21 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
     from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
     from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.reproductions import dsv41_truth_table as table
 
     with cuda_device_type_while_parsing() as platform:
         args = engine_args(serve_argv)
     settings = engine_settings(args)
-    block_size = capacity.BASELINE_BLOCK_SIZE if args.block_size is None else args.block_size
     lens = (args.max_model_len,) if args.max_model_len else capacity.MAX_MODEL_LENS
-    resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
-    fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
-    upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
+    method = (args.speculative_config or {}).get("method")
+    # The decision reads the backends' kernel blocks, which vLLM declares per device.
+    with repro.sm120_platform():
+        line = table.evaluate((12, 0), args.block_size, settings, str(method or "none"), lens)
+        best = table.best_working_upstream((12, 0), settings, lens)
+        block_size = line.picked_block_size
+        resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
+        fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
+        upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
     drafters = len(settings.drafter_ratios)
     text = (model_config or {}).get("text_config", model_config or {})
     heads = int(text.get("num_attention_heads", FLASH_HEADS))
@@ -174,6 +180,20 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
         },
         "geometry": fixed[0].geometry,
         "reason": fixed[0].reason,
+        "dsv41": {
+            "block_size": block_size,
+            "upstream_starts": line.upstream_starts,
+            "upstream_start_error": line.start_error,
+            "upstream_works": line.upstream_works,
+            "upstream_rejected": [r.as_dict() for r in line.upstream_rejected],
+            "unknown_envelopes": list(line.unknown_envelopes),
+            "decision": line.decision,
+            "reason": line.reason,
+            "vs_best_working_upstream": None
+            if best is None
+            else round(line.fix_tokens[lens[0]] / best[lens[0]], 4),
+            "at_max_model_len": lens[0],
+        },
         "capacity": [
             {
                 "max_model_len": row.max_model_len,

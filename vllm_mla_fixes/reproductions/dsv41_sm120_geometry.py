@@ -613,37 +613,47 @@ def verify(report: Callable[[str], None]) -> bool:
         return _verify(report)
 
 
+def kernel_verdicts(pages: list[Page]) -> tuple[tuple, tuple[str, ...]]:
+    """(pages a kernel's own declaration rejects, envelopes that could not be
+    read) of a bound layout (see ``dsv41_sm120_geometry.envelope``)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+
+    kinds = {"swa": upstream.SWA, "compressed": upstream.COMPRESSED, "indexer": upstream.INDEXER}
+    return upstream.page_verdicts(
+        sorted({(kinds[p.kind], p.compress_ratio, p.rows) for p in pages})
+    )
+
+
+def _verdict_summary(rejected: tuple, unknown: tuple[str, ...]) -> str:
+    if rejected:
+        return "; ".join(f"{r.kernel} rejects {r.cache} pages of {r.rows} rows" for r in rejected)
+    if unknown:
+        return "unknown: " + "; ".join(unknown)
+    return "every page inside the installed kernels' own envelopes"
+
+
 def _verify(report: Callable[[str], None]) -> bool:
-    ok = True
     report(f"FlashInfer {flashinfer_version()}")
-    mqa_pages = sm120_paged_mqa_page_sizes()
+    upstream_fails = False
     for block_size in (64, 128):
         geometry, error = start_upstream(block_size)
         if error is not None:
             report(f"--block-size {block_size}, upstream: ValueError: {error}")
-            ok &= error in START_ERRORS
+            if error not in START_ERRORS:
+                return False
+            upstream_fails = True
             continue
         assert geometry is not None  # start_upstream returns a geometry or an error
         pages = flashinfer_pages(geometry)
+        rejected, unknown = kernel_verdicts(pages)
         report(f"--block-size {block_size}, upstream: starts; pages: " + _page_summary(pages))
-        swa = next(layer for layer in geometry.layers.values() if layer.compress_ratio == 0)
-        verdict = sm120_decode_verdict(
-            flashinfer_primary_page(swa._as_sparse_cache(swa.swa_cache_layer.kv_cache)),
-            has_extra=False,
-            **REPORT_CALL,
-        )
-        report(f"  FlashInfer SM120, SWA-only layer decode: {verdict or 'accepted'}")
-        wrong = sorted(
-            {page.rows for page in pages if page.kind == "indexer" and page.rows not in mqa_pages}
-        )
-        report(
-            f"  indexer pages of {wrong} states; SM120 paged-MQA logits take {list(mqa_pages)} "
-            "(vLLM's get_paged_mqa_page_sizes)"
-            if wrong
-            else "  indexer pages all fit SM120 paged-MQA"
-        )
-        ok &= any(page.rows != fix.PAGE_ROWS for page in pages)  # the bug: some page is not 64 rows
+        report(f"  kernels: {_verdict_summary(rejected, unknown)}")
+        upstream_fails |= bool(rejected)
+    if not upstream_fails:
+        report("upstream's layout works for both block sizes: nothing to reproduce")
+        return False
 
+    ok = True
     with applied((12, 0)) as result:
         report(f"fix: {result.status.label()} ({result.status.reason})")
         ok &= result.status.state.value == "applied"
@@ -653,24 +663,23 @@ def _verify(report: Callable[[str], None]) -> bool:
             create_metadata_builders(geometry)
             allocate_and_bind(geometry)  # runs the start-up self-check
             pages = flashinfer_pages(geometry)
-            verdicts = {
-                sm120_decode_verdict(page.rows, has_extra=page.kind == "compressed", **REPORT_CALL)
-                for page in pages
-                if page.kind != "indexer"
-            }
-            good = all(page.rows == fix.PAGE_ROWS for page in pages) and verdicts == {None}
+            rejected, unknown = kernel_verdicts(pages)
+            decided = fix.geometry_decision(geometry.vllm_config)[0]
             report(
-                f"--block-size {block_size}, fixed: kernel block sizes "
+                f"--block-size {block_size}, fixed ({decided}): kernel block sizes "
                 f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "
-                f"FlashInfer SM120 planner: {'accepts all' if verdicts == {None} else verdicts}"
+                f"kernels: {_verdict_summary(rejected, unknown)}"
             )
-            ok &= good
+            ok &= not rejected and not unknown
+            if decided == fix.UPSTREAM:
+                continue  # upstream's own layout, which the kernels take
+            ok &= all(page.rows == fix.PAGE_ROWS for page in pages)
             ratio1 = [
                 geometry.forward_context[name].kv_cache
                 for name in ("model.layers.20.attn", "model.layers.20.attn.indexer.k_cache")
             ]
             interleaved = (
-                fix.geometry_decision(geometry.vllm_config)[0] == fix.SPLIT
+                decided == fix.SPLIT
                 and {view.stride(0) for view in ratio1} == {46080}
                 and ratio1[1].storage_offset() - ratio1[0].storage_offset() == 37440
             )

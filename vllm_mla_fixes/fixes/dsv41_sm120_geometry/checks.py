@@ -15,6 +15,7 @@ from typing import Any
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     drafter_ratio1_layer,
+    stepped_aside,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     ATTENTION_MODULE,
@@ -122,6 +123,8 @@ def _with_geometry_check(original: Callable) -> Callable:
     @functools.wraps(original)
     def bind_kv_cache_to_layers(kv_caches, forward_context, *args, **kwargs):
         result = original(kv_caches, forward_context, *args, **kwargs)
+        if stepped_aside():
+            return result  # upstream's own pages, inside the kernels' envelopes
         check_page_geometry(bound_pages(forward_context))
         if _INTERLEAVED:
             check_no_split_drafter(forward_context)

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
     split_unreviewed,
 )
@@ -24,6 +25,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     PER_RATIO,
     SPLIT,
     SPLIT_MANAGER_BLOCK,
+    UPSTREAM,
     V4_RECORD_BYTES,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import (
@@ -278,6 +280,10 @@ def _decide(vllm_config: Any) -> Decision:
         return Decision(PER_RATIO, f"{GEOMETRY_ENV}=per-ratio")
     if forced not in ("", SPLIT):
         return Decision(PER_RATIO, f"{GEOMETRY_ENV}={forced!r} is not '{PER_RATIO}' or '{SPLIT}'")
+    if not forced:
+        aside = upstream_steps_aside_reason(vllm_config)
+        if aside:
+            return Decision(UPSTREAM, aside)
     if _state["split_unreviewed"]:
         return Decision(PER_RATIO, _state["split_unreviewed"])
     trigger = _config_triggers(vllm_config)
@@ -292,6 +298,32 @@ def _decide(vllm_config: Any) -> Decision:
     if misfit:
         return Decision(PER_RATIO, misfit)
     return Decision(SPLIT, _SPLIT_DEFAULT + _speculative_note(method), unit)
+
+
+def upstream_steps_aside_reason(vllm_config: Any) -> str | None:
+    """Why the fix leaves this line to upstream's own layout, or None.
+
+    It steps aside where upstream's layout for the line starts and every page
+    of it is inside the installed kernels' own envelopes.  An envelope that
+    cannot be read is never "accepts", so the fix then keeps its layout.  The
+    fix's layouts hold under 2% more KV tokens than such a layout on every
+    covered cell (``tests/test_dsv41_truth_table.py``), which is not worth a
+    layout nobody has run on hardware."""
+    try:
+        layout = upstream.for_config(vllm_config)
+    except Exception:  # noqa: BLE001 - vLLM's backends unreadable here: keep the fix's layout
+        return None
+    if layout.works:
+        return (
+            f"not-needed: upstream's --block-size {layout.block_size} layout is within the "
+            "installed kernels' envelopes"
+        )
+    return None
+
+
+def stepped_aside() -> bool:
+    """Whether this process decided to leave upstream's layout in place."""
+    return any(d.geometry == UPSTREAM for d in _state["decisions"].values())
 
 
 def geometry_decision(vllm_config: Any) -> tuple[str, str]:
@@ -340,7 +372,9 @@ def status_detail() -> str:
     if _state["split_unreviewed"]:
         return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
     return (
-        f"geometry chosen when the model loads: {SPLIT} by default (also with DSpark "
+        f"geometry chosen when the model loads: {UPSTREAM} (the fix steps aside) where "
+        "upstream's layout for the line starts and every page is inside the installed "
+        f"kernels' own envelopes; else {SPLIT} by default (also with DSpark "
         "drafters that own or read no ratio-1 cache, ngram and suffix), "
         f"{PER_RATIO} with EAGLE-style or other speculative methods, a KV connector other "
         "than CPU offloading, DCP/PCP > 1, HiSparse, another KV record, ratio-1 caches that do not "

@@ -7,9 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
-    INFO,
-)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO, UPSTREAM
 
 
 def diagnose(env, serve) -> list:
@@ -125,39 +123,8 @@ def diagnose(env, serve) -> list:
                 "remove indexer_sparse_logits",
             )
         )
-    block = serve.block_size
     fixed = env.fix_state(name) == "applied"
-    if (major_minor(vllm_version) or (0,)) >= (0, 34):
-        # 0.34.0 declares 64-token kernel blocks on SM12x, which moves the failure.
-        if block == 128 and not fixed:
-            findings.append(
-                Finding("warn", name, f"--block-size 128 fails at start-up: {SPLIT_ERROR_0_34}")
-            )
-        elif block == 64 and not fixed:
-            findings.append(
-                Finding(
-                    "warn",
-                    name,
-                    "--block-size 64 starts on vLLM 0.34, but hands the indexer 32-state ratio-2 "
-                    "pages (SM120's paged-MQA logits take 64) and FlashInfer 32-token "
-                    "sliding-window pages",
-                )
-            )
-    elif block == 64 and not fixed:
-        findings.append(Finding("warn", name, f"--block-size 64 fails at start-up: {INFO.error}"))
-    elif block in (None, 128) and not fixed:
-        findings.append(
-            Finding(
-                "warn",
-                name,
-                "--block-size 128 starts, but page 32 reaches FlashInfer: "
-                "that is the 32-token sliding-window cache of a SWA-only layer (not a "
-                "ratio-2 page, as the report says); FlashInfer 0.7.0.post1 rejects it on the "
-                "first request (page_block_size=32), and SM120's indexer takes only 64-state "
-                "pages while ratio-1 layers get 128",
-            )
-        )
-    findings += predicted_geometry(serve)
+    findings += predicted_geometry(serve, fixed)
     findings.append(
         Finding(
             "info",
@@ -206,7 +173,7 @@ PREDICTION_MODULE = "vllm_mla_fixes.reproductions.dsv41_prediction"
 PREDICTION_TIMEOUT_S = 900
 
 
-def predicted_geometry(serve) -> list:
+def predicted_geometry(serve, fixed: bool = True) -> list:
     """doctor's findings on what ``serve`` gets on SM12x, from a fresh
     interpreter that runs the fix's own decision on the engine config vLLM's
     parser builds from the line (works where no GPU is visible)."""
@@ -255,24 +222,26 @@ def predicted_geometry(serve) -> list:
                 f"run `python -m {PREDICTION_MODULE} -- <serve args>` to see the full error",
             )
         ]
-    return _prediction_findings(prediction)
+    return _prediction_findings(prediction, fixed)
 
 
-def _prediction_findings(prediction: dict) -> list:
+def _prediction_findings(prediction: dict, fixed: bool = True) -> list:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
     settings = prediction["settings"]
-    findings = [
-        Finding(
-            "info",
-            name,
-            f"on SM12x this line gets the {prediction['geometry']} geometry: "
-            f"{prediction['reason']} (the fix's own geometry_decision, on the engine config "
-            f"vLLM {prediction['vllm']}'s `vllm serve` parser builds from this line; "
-            f"{prediction['platform']}); --block-size does not decide these pages on SM12x",
+    findings = _upstream_findings(prediction["dsv41"], fixed)
+    if prediction["geometry"] != UPSTREAM:
+        findings.append(
+            Finding(
+                "info",
+                name,
+                f"on SM12x this line gets the {prediction['geometry']} geometry: "
+                f"{prediction['reason']} (the fix's own geometry_decision, on the engine config "
+                f"vLLM {prediction['vllm']}'s `vllm serve` parser builds from this line; "
+                f"{prediction['platform']})",
+            )
         )
-    ]
     figures = "; ".join(
         f"max_model_len {c['max_model_len']}: {c['tokens_per_gib']:,} tokens = "
         f"{c['tokens_per_gib'] / c['upstream_128']:.3f}x upstream --block-size 128 "
@@ -300,6 +269,62 @@ def _prediction_findings(prediction: dict) -> list:
         )
     findings += _shape_findings(prediction)
     return findings
+
+
+def _upstream_findings(dsv41: dict, fixed: bool) -> list:
+    """What upstream's own layout does on SM12x for the line, from vLLM's
+    start-up and the installed kernels' own envelopes (the prediction's
+    ``dsv41`` object, which ``doctor --json`` prints as its own)."""
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    size = f"--block-size {dsv41['block_size']}"
+    versus = dsv41["vs_best_working_upstream"]
+    held = (
+        f"; the fix's layout would hold {versus:.3f}x its KV tokens at max_model_len "
+        f"{dsv41['at_max_model_len']}"
+        if versus is not None
+        else ""
+    )
+    if dsv41["upstream_works"]:
+        return [
+            Finding(
+                "ok",
+                name,
+                f"upstream's {size} layout starts, and every page it hands a kernel is inside "
+                f"the installed kernels' own envelopes: the fix steps aside on this line "
+                f"(decision {UPSTREAM}){held}",
+                facts=dsv41,
+            )
+        ]
+    if not dsv41["upstream_starts"]:
+        problem = f"does not start: {dsv41['upstream_start_error']}"
+    elif dsv41["upstream_rejected"]:
+        problem = "starts, but " + "; ".join(
+            f"{r['kernel']} rejects the {r['cache']} pages of {r['rows']} rows"
+            for r in dsv41["upstream_rejected"]
+        )
+    else:
+        problem = "cannot be judged: " + "; ".join(dsv41["unknown_envelopes"])
+    if fixed:
+        return [
+            Finding(
+                "info",
+                name,
+                f"upstream's {size} layout {problem}; the fix lays out its "
+                f"{dsv41['decision']} geometry instead",
+                facts=dsv41,
+            )
+        ]
+    return [
+        Finding(
+            "error",
+            name,
+            f"upstream's {size} layout {problem}",
+            "let the plugin apply the fix (see the fix's verdict below)",
+            facts=dsv41,
+        )
+    ]
 
 
 def _shape_findings(prediction: dict) -> list:

@@ -91,6 +91,9 @@ SPLIT = "interleaved-split"
 
 
 PER_RATIO = "per-ratio"
+UPSTREAM = "upstream"
+"""The fix steps aside: upstream's own layout for the line is within the installed
+kernels' envelopes (see :mod:`.upstream`)."""
 
 
 GEOMETRY_ENV = "VLLM_MLA_FIXES_DSV41_GEOMETRY"

@@ -12,14 +12,18 @@ from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     _backbone_layers,
+    _decide,
     _decision_for_specs,
     drafter_swa_rows,
+    stepped_aside,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
+    DRAFTER_SWA_ROWS,
     INFO,
     PAGE_ROWS,
     SPLIT,
     SPLIT_MANAGER_BLOCK,
+    UPSTREAM,
     UPSTREAM_SWA_BLOCK,
     PageGeometryError,
 )
@@ -69,6 +73,8 @@ def _wrap_spec_producer(cls: type) -> Callable:
         if spec is None:
             return None
         decision = _decision_for_specs(vllm_config)
+        if decision.geometry == UPSTREAM:
+            return spec
         if isinstance(spec.tokens_per_state, int) and spec.tokens_per_state > 1:
             _state["owned_ratios"].add(spec.tokens_per_state)
         if decision.geometry == SPLIT:
@@ -81,8 +87,9 @@ def _wrap_spec_producer(cls: type) -> Callable:
 
 def _per_spec_kernel_block_sizes(original: Callable) -> staticmethod:
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        if kv_cache_spec is None:
-            # Platform-level block-size choice: no cache in view, keep upstream's answer.
+        if kv_cache_spec is None or stepped_aside():
+            # Platform-level block-size choice (no cache in view), or upstream's
+            # own layout in force: upstream's answer.
             return original(kv_cache_spec)
         states = getattr(kv_cache_spec, "tokens_per_state", None)
         if isinstance(states, int) and states >= 1:
@@ -110,8 +117,11 @@ def swa_page_rows(prefix: Any) -> int:
     run-time page sizes, else 64."""
     from vllm.config import get_current_vllm_config
 
+    config = get_current_vllm_config()
+    if _decide(config).geometry == UPSTREAM:
+        return UPSTREAM_SWA_BLOCK
     number = _layer_number(prefix)
-    backbone = _backbone_layers(get_current_vllm_config())
+    backbone = _backbone_layers(config)
     if number is None or backbone is None or number < backbone:
         return PAGE_ROWS
     return drafter_swa_rows()[0]
@@ -124,7 +134,7 @@ def _swa_cache_with_kernel_pages(cache_class: type) -> Callable:
     def build_swa_cache(*args, **kwargs):
         if kwargs.get("block_size") == UPSTREAM_SWA_BLOCK:
             kwargs["block_size"] = swa_page_rows(kwargs.get("prefix"))
-            if kwargs["block_size"] != PAGE_ROWS:
+            if kwargs["block_size"] == DRAFTER_SWA_ROWS:
                 _state["drafter_swa_caches"].add(kwargs.get("prefix"))
         return cache_class(*args, **kwargs)
 
