@@ -535,7 +535,8 @@ def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
 
 @pytest.mark.parametrize(
     "version, block_size",
-    [(v, b) for v in ("0.32.0", "0.33.0", "0.34.0") for b in (64, 128)],
+    # 0.34.0 with --block-size 64 is no bug case: upstream's layout works there.
+    [(v, b) for v in ("0.32.0", "0.33.0", "0.34.0") for b in (64, 128) if (v, b) != ("0.34.0", 64)],
 )
 def test_dsv41_without_fix_fails_on_an_unrelated_failure(version, block_size):
     """Each without-fix GPU case passes only on the bug's own signal: a server that never

@@ -51,7 +51,7 @@ from pathlib import Path
 import pytest
 
 from gpu.inprocess.call_probes import LOG_ENV, read_log
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT, UPSTREAM
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 PROBE_DIR = Path(__file__).with_name("inprocess")
@@ -314,7 +314,6 @@ UPSTREAM_OUTCOMES = {
     ("0.33", 64): UpstreamOutcome(
         False, "No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128])"
     ),
-    ("0.34", 64): UpstreamOutcome(True, swa_rows=32, indexer_rows=32),
     ("0.32", 128): UpstreamOutcome(True, "page_block_size=32", swa_rows=32, indexer_rows=128),
     ("0.33", 128): UpstreamOutcome(True, swa_rows=32, indexer_rows=128),
     ("0.34", 128): UpstreamOutcome(False, "needs 64-token kernel blocks"),
@@ -405,13 +404,36 @@ def _record(tmp_path_factory, name: str, result: dict, problems: list[str]) -> N
     )
 
 
+def upstream_works(block_size: int) -> bool:
+    """Whether upstream's own layout for ``--block-size`` starts and every page
+    of it is inside the installed kernels' own envelopes, judged on this
+    runner's GPU by the fix's own rule (the CPU truth table checks that rule
+    against vLLM's start-up: tests/test_dsv41_truth_table.py)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+
+    return bool(upstream.upstream_layout(block_size).works)
+
+
 @pytest.mark.parametrize("block_size", [64, 128], ids=["bs64", "bs128"])
 def test_without_fix_shows_the_bug_itself(sm12x, block_size, tmp_path, tmp_path_factory):
     """Proves: unpatched vLLM fails the report's line in the bug's own way on every release --
     upstream's start-up error where it refuses the line, else (healthy first) the page
     geometry SM120 has no kernel for, a read off its reference, or the kernel's error text.
-    Eager, so that every attention call is compared."""
+    Eager, so that every attention call is compared.  Where upstream's layout works
+    (0.34.0 with --block-size 64), the same run must instead serve and match its
+    reference: that cell is no bug case, and the fix steps aside there."""
     version = sm12x[1]
+    if upstream_works(block_size):
+        result = serve_and_generate(
+            issue_flags(block_size) + ["--enforce-eager"],
+            {"VLLM_MLA_FIXES": "none"},
+            tmp_path,
+            prompts=PROMPTS[:1],
+        )
+        problems = run_problems(result, 1, eager=True)
+        _record(tmp_path_factory, f"dsv41_upstream_bs{block_size}_{version}", result, problems)
+        assert not problems, (problems, result["log"][-4000:])
+        return
     result = serve_and_generate(
         issue_flags(block_size) + ["--enforce-eager"],
         {"VLLM_MLA_FIXES": "none"},
@@ -447,7 +469,11 @@ def test_with_fix_serves_and_matches_at_the_attention_call(
     _record(tmp_path_factory, name, result, problems)
     log = result["log"]
     assert "vllm-mla-fixes: applied dsv41-sm120-geometry" in log, log[-4000:]
-    # The default geometry, not the fallback, is what this line must get and what was compared.
-    assert f"DeepSeek-V4.1 KV geometry {SPLIT} " in log, log[-4000:]
-    assert "page_block_size=32" not in log and "No common block size" not in log
+    # Where upstream's layout works the fix steps aside; elsewhere the default
+    # geometry, not the fallback, is what this line must get and what was compared.
+    expected = UPSTREAM if upstream_works(block_size) else SPLIT
+    assert f"DeepSeek-V4.1 KV geometry {expected} " in log, log[-4000:]
+    if expected == SPLIT:
+        assert "page_block_size=32" not in log
+    assert "No common block size" not in log
     assert not problems, (problems, log[-4000:])

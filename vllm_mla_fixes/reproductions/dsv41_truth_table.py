@@ -28,6 +28,7 @@ import json
 import sys
 from typing import Any
 
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
@@ -89,6 +90,33 @@ class Cell:
             "fix_tokens_per_gib": _str_keys(self.fix_tokens),
             "vs_best_working_upstream": _str_keys(self.vs_best_working_upstream),
         }
+
+
+def cell_from_dict(facts: dict[str, Any]) -> Cell:
+    """A cell as :meth:`Cell.as_dict` wrote it (a cached or printed table)."""
+
+    def ints(values: dict[str, Any] | None) -> dict[int, Any] | None:
+        return None if values is None else {int(k): v for k, v in values.items()}
+
+    return Cell(
+        vllm=facts["vllm"],
+        device=facts["device"],
+        block_size=facts["block_size"],
+        picked_block_size=facts["picked_block_size"],
+        speculation=facts["speculation"],
+        upstream_starts=facts["upstream_starts"],
+        start_error=facts["start_error"],
+        upstream_rejected=tuple(
+            upstream.Rejection(r["cache"], r["rows"], r["kernel"])
+            for r in facts["upstream_rejected"]
+        ),
+        unknown_envelopes=tuple(facts["unknown_envelopes"]),
+        upstream_tokens=ints(facts["upstream_tokens_per_gib"]),
+        decision=facts["decision"],
+        reason=facts["reason"],
+        fix_tokens=ints(facts["fix_tokens_per_gib"]) or {},
+        vs_best_working_upstream=ints(facts["vs_best_working_upstream"]),
+    )
 
 
 def _str_keys(values: dict[int, Any] | None) -> dict[str, Any] | None:
@@ -281,9 +309,44 @@ def markdown(cells: list[Cell]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_markdown(cells: list[Cell]) -> str:
+    """The README's short table: SM120, no speculation, one row per block size."""
+    lines = [
+        "| vLLM | --block-size | upstream's layout on SM120 | the fix | vs best working upstream (8k / 128k) |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cells:
+        if c.device != "SM120" or c.speculation != "none":
+            continue
+        size = (
+            str(c.block_size)
+            if c.block_size is not None
+            else f"unset (vLLM picks {c.picked_block_size})"
+        )
+        if not c.upstream_starts:
+            verdict = f"does not start: {c.start_error}"
+        elif c.upstream_rejected:
+            verdict = "starts; rejected: " + "; ".join(
+                f"{r.cache} pages of {r.rows} rows by {r.kernel}" for r in c.upstream_rejected
+            )
+        elif c.unknown_envelopes:
+            verdict = "starts; kernels' envelopes unknown"
+        else:
+            verdict = "works: every page inside the kernels' own envelopes"
+        decision = "steps aside" if c.decision == fix.UPSTREAM else c.decision
+        versus = (
+            " / ".join(f"{c.vs_best_working_upstream[n]:.3f}x" for n in MAX_MODEL_LENS)
+            if c.vs_best_working_upstream
+            else "n/a"
+        )
+        lines.append(f"| {c.vllm} | {size} | {verdict} | {decision} | {versus} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="print the README's table")
+    parser.add_argument("--markdown", action="store_true", help="print the docs' full table")
+    parser.add_argument("--summary", action="store_true", help="print the README's short table")
     parser.add_argument(
         "--device", choices=("sm120", "sm121", "both"), default="both", help="devices to cover"
     )
@@ -291,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {"sm120": ((12, 0),), "sm121": ((12, 1),), "both": CAPABILITIES}[args.device]
     with contextlib.redirect_stdout(sys.stderr):  # vLLM's logging stays off the table
         cells = truth_table(chosen)
-    if args.markdown:
+    if args.summary:
+        print(summary_markdown(cells), end="")
+    elif args.markdown:
         print(markdown(cells), end="")
     else:
         print(json.dumps([c.as_dict() for c in cells]))

@@ -25,10 +25,31 @@ Why it breaks
     #56509 splits 128-token manager blocks into 64-token kernel blocks, but the
     ratio-1 writers keep addressing manager slots while readers use the kernel
     table, so writes land in other layers' pages: garbage, not a crash.
-    0.34.0 declares 64-token kernel blocks on SM12x: --block-size 64 then starts
-    with 32-state ratio-2 pages and 32-token SWA pages, and 128 fails at
-    start-up ("... needs 64-token kernel blocks, which packed 128-token KV cache
-    blocks cannot be split into").
+    0.34.0 declares 64-token kernel blocks on SM12x: --block-size 64 (and an
+    unset block size, for which vLLM picks 64) then starts with 32-state
+    ratio-2 pages and 32-token SWA pages, which the installed kernels' own
+    declarations take (FlashInfer 0.7.4 takes run-time page sizes; the vendored
+    DeepGEMM's SM120 host check takes 32 and 64 rows, although vLLM's
+    ``get_paged_mqa_page_sizes()`` says 64 only), so that line works upstream;
+    128 fails at start-up ("... needs 64-token kernel blocks, which packed
+    128-token KV cache blocks cannot be split into").  Counter-evidence,
+    weighed: vllm#57292 reports the pinned DeepGEMM SM120 FP8 path rejecting
+    page 32 (see docs/fixes/dsv41-sm120-geometry.md for which build it speaks
+    of); no GPU run of ours settles it, so ``selftest`` runs upstream's layout
+    through the real kernels on the operator's GPU.
+
+When it steps aside
+    Every kernel's envelope is read from its own declaration in the installed
+    build (``envelope``).  Where upstream's own layout for the line starts and
+    every page of it is inside those envelopes (0.34.0 with --block-size 64 or
+    unset), the fix leaves the layout alone: decision ``upstream``, logged as
+    "not-needed: upstream's --block-size N layout is within the installed
+    kernels' envelopes".  Its own layouts would hold under 2% more there
+    (1.007x / 1.012x at 8k / 128k), not worth a layout nobody has run on
+    hardware.  An envelope that cannot be read is never "accepts": the fix then
+    keeps its layout.  ``VLLM_MLA_FIXES_DSV41_GEOMETRY`` still forces a geometry.
+    ``python -m vllm_mla_fixes.reproductions.dsv41_truth_table`` derives, on
+    CPU, every cell (release, block size, speculation, SM120/SM121).
 
 How we fix it
     On SM12x only, every page FlashInfer or the indexer reads holds 64 states,

@@ -1,0 +1,154 @@
+"""DeepSeek-V4.1 on SM12x: the truth table, derived by the installed release's own code.
+
+Every cell runs vLLM's real start-up, planner and capacity figure on CPU with
+the platform answering as SM120/SM121, and holds upstream's bound pages against
+the installed kernels' own envelopes.  These tests check that the fix's cheap
+run-time prediction of upstream's layout (``upstream.py``) agrees with that
+start-up in every cell, that the fix steps aside exactly where upstream's layout
+works and where its own layout would gain under 2%, the per-release facts of
+issue 25, and that the README and docs tables are this code's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
+from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.reproductions import dsv41_truth_table as table
+
+pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
+
+
+@pytest.fixture(scope="module")
+def cells() -> list[table.Cell]:
+    return table.truth_table()
+
+
+def test_runtime_prediction_agrees_with_vllms_start_up(cells):
+    """The fix decides from ``upstream.for_config`` at start-up, without
+    planning; in every cell it must say what vLLM's real start-up and the
+    envelopes say."""
+    for c in cells:
+        capability = (int(c.device[2:4]), int(c.device[4:]))
+        with repro.sm120_platform(capability):
+            declared = upstream.declared_kernel_blocks()
+            predicted = upstream.upstream_layout(c.picked_block_size, declared=declared)
+            if c.block_size is None:
+                assert upstream.picked_block_size(declared) == c.picked_block_size, c
+        assert predicted.starts == c.upstream_starts, (c, predicted)
+        if c.upstream_starts:
+            assert set(predicted.rejected) == set(c.upstream_rejected), (c, predicted)
+            assert predicted.works == c.upstream_works
+
+
+def test_the_fix_steps_aside_exactly_where_upstream_works(cells):
+    for c in cells:
+        assert (c.decision == fix.UPSTREAM) == bool(c.upstream_works), c
+        if c.decision == fix.UPSTREAM:
+            assert c.fix_tokens == c.upstream_tokens, c
+
+
+def test_where_it_steps_aside_its_own_layouts_gain_under_two_percent(cells):
+    """The 2% rule: where upstream's layout works, neither of the fix's
+    geometries, forced, holds GAIN_TO_APPLY x its KV tokens."""
+    working = [c for c in cells if c.upstream_works and c.device == "SM120"]
+    for c in working:
+        settings = table._settings(c.speculation)
+        for geometry in (fix.SPLIT, fix.PER_RATIO):
+            with repro.sm120_platform(), capacity.forced_geometry(geometry):
+                rows = capacity.measure(
+                    "forced", c.picked_block_size, table.MAX_MODEL_LENS, settings
+                )
+            assert rows[0].geometry == geometry
+            for row in rows:
+                gain = row.tokens / c.upstream_tokens[row.max_model_len]
+                assert gain < table.GAIN_TO_APPLY, (c, geometry, row.max_model_len, gain)
+
+
+def test_issue_25_release_facts(cells):
+    release = cells[0].vllm
+    by_size = {c.block_size: c for c in cells if c.device == "SM120" and c.speculation == "none"}
+    if release == "0.34.0":
+        assert by_size[64].upstream_works is True
+        assert by_size[None].picked_block_size == 64 and by_size[None].upstream_works is True
+        assert by_size[128].upstream_starts is False
+        assert "cannot be split into" in by_size[128].start_error
+    else:
+        assert by_size[None].picked_block_size == 128
+        for c in cells:
+            assert c.upstream_works is False, c
+            assert c.start_error or c.upstream_rejected, c
+            for rejection in c.upstream_rejected:
+                assert rejection.kernel in {
+                    e.title for e in fix.envelope.kernel_envelopes().values()
+                }
+
+
+def test_sm121_cells_are_sm120s(cells):
+    """Both are compute capability 12.x: vLLM's family check and the kernels
+    treat them alike, so every fact but the device name agrees."""
+    key = lambda c: (c.block_size, c.speculation)  # noqa: E731
+    sm120 = {key(c): c.as_dict() for c in cells if c.device == "SM120"}
+    for c in cells:
+        if c.device == "SM121":
+            facts = {**c.as_dict(), "device": "SM120"}
+            assert facts == sm120[key(c)]
+
+
+def _section(path: Path, release: str) -> list[str]:
+    text = path.read_text()
+    begin = f"<!-- truth-table {release} begin -->"
+    end = f"<!-- truth-table {release} end -->"
+    assert begin in text and end in text, f"{path.name} has no truth-table section for {release}"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
+
+
+def test_the_readme_and_docs_tables_are_this_codes_output(cells):
+    release = cells[0].vllm
+    assert _section(ROOT / "README.md", release) == table.summary_markdown(cells).splitlines()
+    assert (
+        _section(ROOT / "docs" / "dsv41-truth-table.md", release)
+        == table.markdown(cells).splitlines()
+    )
+
+
+def _doctor_json(*serve: str, **env: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_mla_fixes", "doctor", "--json", "--", "vllm", "serve", *serve],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **env},
+    )
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("block_size", ["64", "128"])
+def test_doctor_json_carries_the_line_cell(cells, block_size):
+    report = _doctor_json(
+        str(MODEL), "--kv-cache-dtype", "fp8", "--block-size", block_size, "--max-model-len", "8192"
+    )
+    facts = report["dsv41"]
+    expected = next(
+        c
+        for c in cells
+        if c.device == "SM120" and c.speculation == "none" and c.block_size == int(block_size)
+    )
+    assert facts["upstream_works"] is expected.upstream_works
+    assert {(r["cache"], r["rows"], r["kernel"]) for r in facts["upstream_rejected"]} == {
+        (r.cache, r.rows, r.kernel) for r in expected.upstream_rejected
+    }
+    assert facts["decision"] == expected.decision
+    versus = facts["vs_best_working_upstream"]
+    assert versus is None if expected.vs_best_working_upstream is None else versus > 0
