@@ -18,8 +18,8 @@ Readers are reached through vLLM's own entry points:
 * indexer decode: ``vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits`` (DeepGEMM)
   with the indexer metadata builder's block table, context lengths and
   schedule, on the view ``sparse_attn_indexer`` passes it; on CPU
-  :func:`paged_mqa_logits_stand_in`, which checks vLLM's statement of the page
-  sizes DeepGEMM takes (``get_paged_mqa_page_sizes``);
+  :func:`paged_mqa_logits_stand_in`, which takes the pages DeepGEMM's own SM120
+  declaration takes (the fix's ``envelope``);
 * indexer prefill: ``vllm._custom_ops.cp_gather_indexer_k_quant_cache`` with
   the builder's prefill chunks; on CPU :func:`gather_indexer_k_stand_in`.
 
@@ -273,20 +273,35 @@ class Kernels:
 def flashinfer_page_problem(
     page_rows: int, extra_rows: int | None, num_heads: int, topk: int
 ) -> str | None:
-    """Why FlashInfer's SM120 sparse-MLA kernels have no kernel for these page
-    sizes, from the installed FlashInfer's own planner or static envelope."""
-    from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import sm120_decode_verdict
+    """Why FlashInfer's SM120 sparse-MLA kernels would refuse these pages, from
+    the installed FlashInfer's own declarations (the fix's ``envelope``).  A
+    call goes to the decode or the prefill kernels, so a page must be taken by
+    both; an unknown envelope takes nothing."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
 
-    problem = sm120_decode_verdict(
-        page_rows, extra_rows is not None, num_tokens=1, num_heads=num_heads, topk=topk
-    )
-    if problem is None and extra_rows is not None:
-        problem = sm120_decode_verdict(
-            extra_rows, True, num_tokens=1, num_heads=num_heads, topk=topk
+    declared = envelope.kernel_envelopes()
+    pages = [(envelope.FLASHINFER_DECODE, envelope.FLASHINFER_PREFILL, page_rows, "primary")]
+    if extra_rows is not None:
+        pages.append(
+            (
+                envelope.FLASHINFER_DECODE_EXTRA,
+                envelope.FLASHINFER_PREFILL_EXTRA,
+                extra_rows,
+                "extra (compressed)",
+            )
         )
-        if problem is not None:
-            problem = f"extra (compressed) page of {extra_rows} rows: {problem}"
-    return problem
+    for *kernels, rows, which in pages:
+        for kernel in kernels:
+            e = declared[kernel]
+            if e.unknown is not None:
+                return f"{e.title}: envelope unknown ({e.unknown})"
+            if not e.accepts_rows(rows):
+                return f"{which} page of {rows} rows: {e.title} takes {e.rows} ({e.sources[0]})"
+            if e.heads is not None and num_heads not in e.heads:
+                return f"{num_heads} heads: {e.title} takes {e.heads}"
+            if e.topk is not None and topk not in e.topk:
+                return f"top-k {topk}: {e.title} takes {e.topk}"
+    return None
 
 
 def sparse_mla_stand_in(
@@ -338,13 +353,16 @@ def paged_mqa_logits_stand_in(
     """DeepGEMM's paged MQA logits in PyTorch: ``logits[t, s] = k_scale[s] *
     sum_h w[t, h] * relu(q[t, h] . k[s])`` for request-local compressed
     position ``s`` read through the block table, -inf past the context."""
-    from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
 
+    declared = envelope.kernel_envelopes()[envelope.DEEPGEMM_LOGITS_FP8]
     rows = int(kv_view.shape[1])
-    if rows not in get_paged_mqa_page_sizes():
+    if declared.unknown is not None:
+        raise ValueError(f"DeepGEMM's paged MQA logits: envelope unknown ({declared.unknown})")
+    if not declared.accepts_rows(rows):
         raise ValueError(
-            f"DeepGEMM's paged MQA logits take pages of {get_paged_mqa_page_sizes()} "
-            f"states on this device, the indexer cache has {rows}"
+            f"DeepGEMM's paged MQA logits take pages of {declared.rows} states on SM12x "
+            f"({declared.sources[0]}), the indexer cache has {rows}"
         )
     batch, next_n = q_fp8.shape[:2]
     out = torch.full((batch * next_n, max_len), float("-inf"))
