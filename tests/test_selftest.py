@@ -15,10 +15,12 @@ a subprocess of the release's environment), twice at once:
   regresses are the same reviewed definitions on 0.32.0 and 0.33.0.
 
 On CPU the writers are vLLM's Triton kernels under the interpreter (the SWA
-writer its Triton twin) and the readers PyTorch stand-ins that refuse the page
-sizes the real kernels lack; the JSON says so per row.  Also here: the facts
-the stand-in readers are written from, read off the installed FlashInfer and
-vLLM sources, and exit status 2 on a release the fix does not cover.
+writer a PyTorch stand-in, shown here to write byte for byte what its Triton
+twin writes under the interpreter) and the readers PyTorch stand-ins that
+refuse the page sizes the real kernels lack; the JSON says so per row.  Also
+here: the facts the stand-in readers are written from, read off the installed
+FlashInfer and vLLM sources, and exit status 2 on a release the fix does not
+cover.
 """
 
 from __future__ import annotations
@@ -334,3 +336,50 @@ def test_writer_layout_facts_hold_in_the_installed_vllm():
     assert "scales = page + CACHE_BLOCK * 576 + (slot % CACHE_BLOCK) * 8" in writer
     index = inspect.getsource(indexer_k_store._indexer_k_norm_rope_quant_store_kernel.fn)
     assert "+ kv_cache_block_size * TOKEN_STRIDE" in index
+
+
+# ------------------------------------------------------------ faster paths
+
+
+def _v4_rows(count: int, gen):
+    """bf16 rows [count, 512] whose 64-dim tiles span the UE8M0 exponents the
+    writer meets: tiny tiles (below its 1e-4 floor), zero tiles, unit-scale and
+    huge tiles, and rows of mixed signs."""
+    import torch
+
+    rows = torch.randn(count, 512, generator=gen)
+    tile_scale = 2.0 ** torch.randint(-30, 60, (count, 8, 1), generator=gen).float()
+    rows = (rows.reshape(count, 8, 64) * tile_scale).reshape(count, 512)
+    rows[0, :64] = 0.0
+    rows[1, 64:128] = 3e-5
+    rows[2, :448] = 448.0
+    rows[3, :448] = -(2.0**-133)  # subnormal in fp32, bf16-representable
+    return rows.to(torch.bfloat16)
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_swa_stand_in_writes_the_bytes_the_interpreted_triton_twin_writes():
+    """On CPU the self-test's SWA writer is the stand-in for the twin's
+    one-program-per-token interpretation: both write the same bytes -- pages
+    with padding, a view that starts inside its allocation, -1 slots skipped,
+    rows past the slot count unread, and two tokens on one slot (the later wins)."""
+    import torch
+    from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
+
+    from vllm_mla_fixes.selftest.kernels import insert_v4_records_stand_in
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, pages = 16, 5
+    page_bytes = block_size * 584 + 200  # aligned pages leave padding after the scales
+    slots = torch.tensor([3, -1, 17, 0, 79, 40, 41, 17, 63, -1, 5, 33], dtype=torch.int64)
+    rows = _v4_rows(slots.numel() + 2, gen)
+    caches = []
+    for write in (quantize_and_insert_k_cache, insert_v4_records_stand_in):
+        storage = torch.full((300 + pages * page_bytes + 100,), 0xA5, dtype=torch.uint8)
+        view = storage[300 : 300 + pages * page_bytes].view(pages, page_bytes)
+        write(rows, view, slots, block_size=block_size)
+        caches.append(storage)
+    twin, stand_in = caches
+    differ = torch.nonzero(twin != stand_in).flatten()
+    assert differ.numel() == 0, f"{differ.numel()} bytes differ, first at {differ[:8].tolist()}"
+    assert int((twin != 0xA5).sum()) > 9 * 580  # the writes happened

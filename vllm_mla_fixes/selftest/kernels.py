@@ -2,9 +2,11 @@
 
 Writers are what vLLM's DeepSeek-V4.1 layers call on SM90 and SM120 alike:
 the sliding-window insert (``torch.ops._C.fused_deepseek_v4_kv_rope_insert``,
-CUDA only: on CPU its Triton twin ``quantize_and_insert_k_cache`` after the
-same RoPE), ``rope_quant_insert`` for the compressed KV cache and
-``indexer_k_norm_rope_store`` for the indexer keys (Triton; interpreted on CPU).
+CUDA only: elsewhere its Triton twin ``quantize_and_insert_k_cache`` after the
+same RoPE, and on CPU :func:`insert_v4_records_stand_in`, which writes the
+bytes the interpreted twin writes), ``rope_quant_insert`` for the compressed KV
+cache and ``indexer_k_norm_rope_store`` for the indexer keys (Triton;
+interpreted on CPU).
 
 Readers are reached through vLLM's own entry points:
 
@@ -45,6 +47,13 @@ SWA_WRITER = "SWA writer (fused_deepseek_v4_kv_rope_insert)"
 COMPRESSED_WRITER = "compressed KV writer (rope_quant_insert)"
 INDEXER_WRITER = "indexer K writer (indexer_k_norm_rope_store)"
 ZEROER = "new-block zeroing (KVBlockZeroer)"
+# The CUDA-only op's Triton twin, interpreted, is one program per token; the
+# stand-in computes the same bytes for all tokens at once (tests/test_selftest.py
+# compares the two byte for byte on each release).
+SWA_TWIN_STAND_IN = (
+    "stand-in: PyTorch, byte for byte its Triton twin quantize_and_insert_k_cache "
+    "as Triton's interpreter runs it (CUDA-only op)"
+)
 READERS = (ATTENTION_DECODE, ATTENTION_PREFILL, INDEXER_LOGITS, INDEXER_GATHER)
 WRITERS = (SWA_WRITER, COMPRESSED_WRITER, INDEXER_WRITER, ZEROER)
 
@@ -99,7 +108,7 @@ class Kernels:
                     COMPRESSED_WRITER: interpreted,
                     INDEXER_WRITER: interpreted,
                     ZEROER: interpreted,
-                    SWA_WRITER: "stand-in: its Triton twin quantize_and_insert_k_cache (CUDA-only op)",
+                    SWA_WRITER: SWA_TWIN_STAND_IN,
                     ATTENTION_DECODE: stand_in,
                     ATTENTION_PREFILL: stand_in,
                     INDEXER_LOGITS: stand_in,
@@ -166,13 +175,18 @@ class Kernels:
                 kv, view, slots, positions, cos_sin, block_size, None, False
             )
             return
-        from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
-
         rotated = ref.rope_swa_rows(
             kv,
             cos_sin[positions.clamp(0, cos_sin.shape[0] - 1)],
             ref.Rounding("round-to-nearest-even"),
         )
+        if self.sources[SWA_WRITER] == SWA_TWIN_STAND_IN:
+            insert_v4_records_stand_in(
+                rotated, view.view(view.shape[0], -1), slots, block_size=block_size
+            )
+            return
+        from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
+
         quantize_and_insert_k_cache(
             rotated, view.view(view.shape[0], -1), slots, block_size=block_size
         )
@@ -396,3 +410,47 @@ def gather_indexer_k_stand_in(kv_cache, dst_k, dst_scale, block_table, cu_seq_le
         scales = ref.gather_bytes(flat, base + rows * ref.INDEX_DIM + (s % rows) * 4, 4)
         dst_k[cu[b] : cu[b + 1]].view(torch.uint8).copy_(values)
         dst_scale[cu[b] : cu[b + 1]].copy_(scales)
+
+
+def insert_v4_records_stand_in(
+    k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+) -> None:
+    """``quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size)``
+    (V4 records) as its Triton kernel computes it under Triton's interpreter,
+    for all tokens at once instead of one interpreted program per token.
+
+    Token ``t`` with a slot other than -1: page ``slot // block_size``
+    (``k_cache.stride(0)`` bytes apart), row ``slot % block_size``; at
+    ``row * 576`` its 448 NoPE dims as fp8, each tile of 64 divided by
+    ``2 ** ceil(log2(max(amax, 1e-4) / 448))``, then its 64 RoPE dims' bf16
+    bytes; at ``block_size * 576 + row * 8`` the 7 exponents + 127 and a zero
+    byte.  Records are written in token order, so where two overlap the later
+    token's bytes stay, as under the interpreter, which runs the programs in order.
+    """
+    slots = slot_mapping.to(torch.int64).cpu()
+    if bool((slots < -1).any()):
+        # The kernel skips -1 only; it would write below the page.
+        raise ValueError(f"slot {int(slots.min())}: a negative slot other than -1")
+    tokens = torch.nonzero(slots != -1).flatten()
+    if not tokens.numel():
+        return
+    slots = slots[tokens]
+    rows = k[: slot_mapping.shape[0]].cpu()[tokens]
+    tiles = rows[:, : ref.NOPE].float().reshape(-1, ref.NUM_SCALES, ref.TILE)
+    exponent = torch.ceil(torch.log2(tiles.abs().amax(dim=-1).clamp_min(1e-4) / ref.FP8_MAX))
+    scaled = torch.clamp(tiles / torch.exp2(exponent)[..., None], -ref.FP8_MAX, ref.FP8_MAX)
+    fp8 = ref.interpreter_rounding().to_fp8(scaled).view(torch.uint8).reshape(-1, ref.NOPE)
+    data = torch.cat([fp8, rows[:, ref.NOPE :].contiguous().view(torch.uint8)], dim=1)
+    scales = torch.zeros(len(tokens), ref.FOOTER_BYTES, dtype=torch.uint8)
+    scales[:, : ref.NUM_SCALES] = torch.clamp(exponent + 127.0, 0.0, 255.0).to(torch.uint8)
+    page = k_cache.storage_offset() + (slots // block_size) * k_cache.stride(0)
+    row = slots % block_size
+    data_at = (page + row * ref.DATA_BYTES)[:, None] + torch.arange(ref.DATA_BYTES)
+    scales_at = (page + block_size * ref.DATA_BYTES + row * ref.FOOTER_BYTES)[
+        :, None
+    ] + torch.arange(ref.FOOTER_BYTES)
+    flat = ref.storage_bytes(k_cache)
+    data, scales = data.to(flat.device), scales.to(flat.device)
+    for t in range(len(tokens)):
+        flat[data_at[t]] = data[t]
+        flat[scales_at[t]] = scales[t]

@@ -114,6 +114,16 @@ def writer_rounding() -> Rounding:
     return Rounding("round-to-nearest-even")
 
 
+def interpreter_rounding() -> Rounding:
+    """Triton's interpreter's own rounding; raises where it is not active."""
+    if _interpreter_converter() is None:
+        raise RuntimeError(
+            "Triton's interpreter is not active: TRITON_INTERPRET=1 must be set before vLLM "
+            "is imported"
+        )
+    return Rounding("triton-interpreter")
+
+
 # --------------------------------------------------------------------------
 # Dense side: what each writer stores for a latent, as dequantised values.
 # --------------------------------------------------------------------------
