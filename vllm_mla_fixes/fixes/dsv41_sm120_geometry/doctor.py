@@ -36,6 +36,7 @@ def diagnose(env, serve) -> list:
                 "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here",
             )
         ]
+    env = as_sm12x_node(env)
     findings = [
         Finding(
             "info",
@@ -178,6 +179,28 @@ def diagnose(env, serve) -> list:
         )
     findings.append(fix_verdict(env, name))
     return findings
+
+
+SM12X_NODE = "an SM12x serving node"
+
+
+def as_sm12x_node(env):
+    """``env`` as the node that serves the line sees this fix: where no GPU is
+    visible here, the plugin's decision there, from its probe for SM120 on
+    the installed vLLM (this process decides not-needed for want of a GPU)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import probe
+    from vllm_mla_fixes.patching import CannotProbe, TargetMismatch
+    from vllm_mla_fixes.report import as_serving_node
+
+    if env.capability is not None or env.fix_state(INFO.name) != "not-needed":
+        return env
+    try:
+        reason = probe((12, 0))
+    except (CannotProbe, TargetMismatch) as exc:
+        return as_serving_node(env, INFO.name, SM12X_NODE, "skipped", str(exc))
+    if reason is not None:
+        return as_serving_node(env, INFO.name, SM12X_NODE, "not-needed", reason)
+    return as_serving_node(env, INFO.name, SM12X_NODE, "applied", "its probe for SM120 passes")
 
 
 SPLIT_ERROR_0_34 = (
