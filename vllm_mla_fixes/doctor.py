@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import shlex
@@ -77,6 +78,10 @@ CUDA_PYTHON_REMEDY = (
     "pip uninstall -y cuda-python cuda-bindings && "
     f"pip install cuda-python=={CUDA_PYTHON_PAIR} cuda-bindings=={CUDA_PYTHON_PAIR}"
 )
+
+# A torchaudio built for another torch fails to import; nothing vLLM serves
+# for a language model needs it (a test runs this command).
+TORCHAUDIO_REMEDY = "pip uninstall -y torchaudio"
 
 
 class DoctorInputError(ValueError):
@@ -148,6 +153,19 @@ def _fix_states() -> dict[str, dict[str, str]]:
         }
 
 
+def _torchaudio_error() -> str | None:
+    """Why torchaudio, where installed, does not import in this environment.
+    Its version beside torch's says nothing: vLLM's own locks pair torchaudio
+    2.11 with torch 2.13 and 2.14, and it imports there."""
+    if _package_version("torchaudio") is None:
+        return None
+    try:
+        importlib.import_module("torchaudio")
+    except Exception as exc:  # an extension built for another torch: OSError, ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def read_environment(load_plugins: bool = True) -> Environment:
     name, capability, torch_cuda = _gpu()
     return Environment(
@@ -160,6 +178,7 @@ def read_environment(load_plugins: bool = True) -> Environment:
         vllm_plugins=os.environ.get("VLLM_PLUGINS"),
         mla_fixes=os.environ.get("VLLM_MLA_FIXES"),
         fix_states=_fix_states() if load_plugins else {},
+        torchaudio_error=_torchaudio_error(),
     )
 
 
@@ -314,6 +333,17 @@ def environment_findings(env: Environment) -> list[Finding]:
                 "environment",
                 f"VLLM_PLUGINS={env.vllm_plugins!r} excludes this plugin",
                 plugins_advice(env.vllm_plugins),
+            )
+        )
+    if env.torchaudio_error:
+        findings.append(
+            Finding(
+                "warn",
+                "environment",
+                f"torchaudio {env.packages.get('torchaudio')} does not import here "
+                f"({env.torchaudio_error}); whatever loads it then fails (vLLM's audio "
+                "inputs; a language-model-only serve does not need it)",
+                TORCHAUDIO_REMEDY,
             )
         )
     py_v, bind_v = env.packages.get("cuda-python"), env.packages.get("cuda-bindings")
