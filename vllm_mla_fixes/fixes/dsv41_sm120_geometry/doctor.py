@@ -22,7 +22,7 @@ def diagnose(env, serve) -> list:
     vllm_version = env.packages.get("vllm")
     if (
         serve is not None
-        and serve.model_config
+        and (serve.model_config or serve.architectures)  # its config, or its name, says
         and "DeepseekV41ForCausalLM" not in serve.architectures
     ):
         return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
