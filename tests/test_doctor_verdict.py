@@ -95,7 +95,7 @@ def test_help_documents_the_verdicts_and_exit_codes():
     for line in (
         "READY                  nothing known stops this line      exit status 0",
         "READY WITH WARNINGS    it starts; read the WARN lines     exit status 1",
-        "WILL FAIL: <reason>      it stops, or cannot be checked     exit status 2",
+        "WILL FAIL: <reason>    it stops, or cannot be checked     exit status 2",
         # the examples: the tests below run both
         "vllm-mla-fixes doctor\n",
         f"vllm-mla-fixes doctor -- {shlex.join(DSV41_LINE)}\n",

@@ -38,10 +38,10 @@ WILL_FAIL = "WILL FAIL"
 EXIT_STATUS = {READY: 0, READY_WITH_WARNINGS: 1, WILL_FAIL: 2}
 HELP_EPILOG = f"""\
 The last line of the report is the verdict, for the node that serves the line
-(with the plugin loaded there, as `vllm serve` loads it):
+(with the plugin loaded there, as vllm serve loads it):
   {READY}                  nothing known stops this line      exit status 0
   {READY_WITH_WARNINGS}    it starts; read the WARN lines     exit status 1
-  {WILL_FAIL}: <reason>      it stops, or cannot be checked     exit status 2
+  {WILL_FAIL}: <reason>    it stops, or cannot be checked     exit status 2
 The serve line is checked by the installed vLLM's own parser and config classes;
 what they reject is quoted, in vLLM's words.  A line with no model, or that
 doctor cannot read, is exit status 2 with one line on stderr.
