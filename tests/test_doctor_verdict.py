@@ -30,9 +30,10 @@ DSV41_LINE = ["vllm", "serve", "deepseek-ai/DeepSeek-V4.1-Flash", "--block-size"
 
 def run_doctor(*args: str, hub: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """The doctor command as an operator runs it, on a machine without a GPU;
-    ``hub``: an empty Hugging Face home, so the model is known by its name only."""
+    ``hub``: an empty Hugging Face home, so (with no network here) the model
+    is known by its name only."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
-    full_env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", **env)
+    full_env.update(CUDA_VISIBLE_DEVICES="", **env)
     if hub is not None:
         full_env.pop("HF_HUB_CACHE", None)
         full_env["HF_HOME"] = str(hub)
@@ -203,6 +204,19 @@ def test_doctor_quotes_what_vllm_serve_itself_prints():
     assert said == "vllm: error: unrecognized arguments: --no-such-flag"
     finding = doctor.check_with_vllm(line, version("vllm"))
     assert finding.message.endswith(f"rejects this line: {said}")
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_offline_hub_without_the_model_will_fail_in_vllms_words(tmp_path):
+    """With HF_HUB_OFFLINE=1, `vllm serve` resolves the model in the hub cache
+    before anything else (EngineArgs); a model that is not there stops it."""
+    proc = run_doctor("--json", "--", *DSV41_LINE, hub=tmp_path / "hf", HF_HUB_OFFLINE="1")
+    report = json.loads(proc.stdout)
+    assert (report["verdict"], proc.returncode) == ("WILL FAIL", 2)
+    assert report["reason"].startswith(
+        "serve line: vLLM 0.34.0 rejects this line: LocalEntryNotFoundError: "
+    )
+    assert "DeepseekV41ForCausalLM" in report["serve"]["architectures"]
 
 
 @pytest.mark.vllm_release("0.34.0")

@@ -390,6 +390,7 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
             if not serve_line.model_given(argv, args):
                 raise DoctorInputError(_no_model(serve_line.default_model()))
             built = serve_line.check_configs(args)
+            serve_line.check_engine_args(args)
         except serve_line.Rejected as exc:
             return Finding(
                 "error",
@@ -397,12 +398,12 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
                 f"vLLM {vllm_version} rejects this line: {exc}",
                 "correct the line: `vllm serve` stops on it too",
             )
-    checked = f" and its {', '.join(built)}" if built else ""
+    checked = f", its {', '.join(built)}" if built else ""
     return Finding(
         "ok",
         "serve line",
-        f"vLLM {vllm_version}'s `vllm serve` parser{checked} accept this line "
-        "(the model's own config is checked when vLLM starts)",
+        f"vLLM {vllm_version}'s `vllm serve` parser{checked} and its engine arguments "
+        "accept this line (the model's own config is checked when vLLM starts)",
     )
 
 
