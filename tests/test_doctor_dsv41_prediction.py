@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.reproductions import dsv41_prediction as prediction
@@ -49,8 +50,8 @@ DSPARK = ["--speculative-config", '{"method": "dspark", "num_speculative_tokens"
 
 def _decision_for(line: list[str]) -> tuple[str, str]:
     """The fix's geometry_decision on the engine config vLLM's parser builds from ``line``."""
-    with prediction.cuda_device_type_while_parsing():
-        args = prediction.engine_args(line)
+    with serve_line.cuda_device_type_while_parsing():
+        args = serve_line.engine_args(line)
     config = repro.make_vllm_config(128, settings=prediction.engine_settings(args))
     with repro.applied((12, 0)):
         return fix.geometry_decision(config)

@@ -202,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         epilog=DOCTOR_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    doctor.add_argument("--json", action="store_true")
-    doctor.add_argument("serve_args", nargs=argparse.REMAINDER)
+    doctor.add_argument("--json", action="store_true", help="print one JSON document (below)")
+    doctor.add_argument(
+        "serve_args", nargs=argparse.REMAINDER, help="after --: the vllm serve line to check"
+    )
     doctor.set_defaults(func=cmd_doctor)
     selftest = sub.add_parser(
         "selftest",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import shlex
@@ -37,10 +38,10 @@ WILL_FAIL = "WILL FAIL"
 EXIT_STATUS = {READY: 0, READY_WITH_WARNINGS: 1, WILL_FAIL: 2}
 HELP_EPILOG = f"""\
 The last line of the report is the verdict, for the node that serves the line
-(with the plugin loaded there, as `vllm serve` loads it):
+(with the plugin loaded there, as vllm serve loads it):
   {READY}                  nothing known stops this line      exit status 0
   {READY_WITH_WARNINGS}    it starts; read the WARN lines     exit status 1
-  {WILL_FAIL}: <reason>      it stops, or cannot be checked     exit status 2
+  {WILL_FAIL}: <reason>    it stops, or cannot be checked     exit status 2
 The serve line is checked by the installed vLLM's own parser and config classes;
 what they reject is quoted, in vLLM's words.  A line with no model, or that
 doctor cannot read, is exit status 2 with one line on stderr.
@@ -77,6 +78,10 @@ CUDA_PYTHON_REMEDY = (
     "pip uninstall -y cuda-python cuda-bindings && "
     f"pip install cuda-python=={CUDA_PYTHON_PAIR} cuda-bindings=={CUDA_PYTHON_PAIR}"
 )
+
+# A torchaudio built for another torch fails to import; nothing vLLM serves
+# for a language model needs it (a test runs this command).
+TORCHAUDIO_REMEDY = "pip uninstall -y torchaudio"
 
 
 class DoctorInputError(ValueError):
@@ -148,6 +153,19 @@ def _fix_states() -> dict[str, dict[str, str]]:
         }
 
 
+def _torchaudio_error() -> str | None:
+    """Why torchaudio, where installed, does not import in this environment.
+    Its version beside torch's says nothing: vLLM's own locks pair torchaudio
+    2.11 with torch 2.13 and 2.14, and it imports there."""
+    if _package_version("torchaudio") is None:
+        return None
+    try:
+        importlib.import_module("torchaudio")
+    except Exception as exc:  # an extension built for another torch: OSError, ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def read_environment(load_plugins: bool = True) -> Environment:
     name, capability, torch_cuda = _gpu()
     return Environment(
@@ -160,6 +178,7 @@ def read_environment(load_plugins: bool = True) -> Environment:
         vllm_plugins=os.environ.get("VLLM_PLUGINS"),
         mla_fixes=os.environ.get("VLLM_MLA_FIXES"),
         fix_states=_fix_states() if load_plugins else {},
+        torchaudio_error=_torchaudio_error(),
     )
 
 
@@ -316,6 +335,17 @@ def environment_findings(env: Environment) -> list[Finding]:
                 plugins_advice(env.vllm_plugins),
             )
         )
+    if env.torchaudio_error:
+        findings.append(
+            Finding(
+                "warn",
+                "environment",
+                f"torchaudio {env.packages.get('torchaudio')} does not import here "
+                f"({env.torchaudio_error}); whatever loads it then fails (vLLM's audio "
+                "inputs; a language-model-only serve does not need it)",
+                TORCHAUDIO_REMEDY,
+            )
+        )
     py_v, bind_v = env.packages.get("cuda-python"), env.packages.get("cuda-bindings")
     if py_v and bind_v and (major_minor(py_v) or (0,))[:1] != (major_minor(bind_v) or (0,))[:1]:
         findings.append(
@@ -360,6 +390,7 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
             if not serve_line.model_given(argv, args):
                 raise DoctorInputError(_no_model(serve_line.default_model()))
             built = serve_line.check_configs(args)
+            serve_line.check_engine_args(args)
         except serve_line.Rejected as exc:
             return Finding(
                 "error",
@@ -367,12 +398,12 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
                 f"vLLM {vllm_version} rejects this line: {exc}",
                 "correct the line: `vllm serve` stops on it too",
             )
-    checked = f" and its {', '.join(built)}" if built else ""
+    checked = f", its {', '.join(built)}" if built else ""
     return Finding(
         "ok",
         "serve line",
-        f"vLLM {vllm_version}'s `vllm serve` parser{checked} accept this line "
-        "(the model's own config is checked when vLLM starts)",
+        f"vLLM {vllm_version}'s `vllm serve` parser{checked} and its engine arguments "
+        "accept this line (the model's own config is checked when vLLM starts)",
     )
 
 

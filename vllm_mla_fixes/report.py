@@ -58,6 +58,7 @@ class Environment:
     vllm_plugins: str | None
     mla_fixes: str | None
     fix_states: dict[str, dict[str, str]]  # fix name -> {"state": ..., "reason": ...}
+    torchaudio_error: str | None = None  # why `import torchaudio` fails here; None: it imports
 
     def fix_state(self, name: str) -> str:
         """``applied`` | ``not-needed`` | ``disabled`` | ``skipped`` | ``unknown`` | ``""``."""

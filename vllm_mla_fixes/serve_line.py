@@ -3,9 +3,10 @@
 ``doctor`` checks the operator's line here before it judges it: ``vllm serve``'s
 parser (``ServeSubcommand`` on vLLM's ``FlexibleArgumentParser``), then each of
 vLLM's config classes that can be built without the model's files, from the
-options the line sets.  What they reject is reported in their own words: the
-line that ``vllm serve`` prints before it exits, or the config class's
-validation message with the flag it came from.
+options the line sets, then its engine arguments.  What they reject is
+reported in their own words: the line that ``vllm serve`` prints before it
+exits, the config class's validation message with the flag it came from, or
+what the engine arguments raise.
 
 Only this module and the DeepSeek-V4.1 prediction import vLLM's CLI: it costs
 seconds, so nothing here runs at import time.
@@ -178,6 +179,18 @@ def check_configs(args: argparse.Namespace) -> list[str]:
             raise Rejected(_validation_message(exc, class_name, given)) from exc
         built.append(class_name)
     return built
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """``AsyncEngineArgs.from_cli_args``, as ``vllm serve`` calls it next:
+    :class:`Rejected` with what it raises (e.g. with HF_HUB_OFFLINE=1, a
+    model missing from the hub cache)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    try:
+        AsyncEngineArgs.from_cli_args(args)
+    except Exception as exc:  # vllm serve stops on whatever it raises
+        raise Rejected(f"{type(exc).__name__}: {exc}") from exc
 
 
 def engine_args(serve_argv: list[str]) -> Any:

@@ -20,7 +20,7 @@ def diagnose(env, serve) -> list:
     vllm_version = env.packages.get("vllm")
     if (
         serve is not None
-        and serve.model_config
+        and (serve.model_config or serve.architectures)  # its config, or its name, says
         and "DeepseekV41ForCausalLM" not in serve.architectures
     ):
         return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
@@ -34,6 +34,7 @@ def diagnose(env, serve) -> list:
                 "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here",
             )
         ]
+    env = as_sm12x_node(env)
     findings = [
         Finding(
             "info",
@@ -62,20 +63,27 @@ def diagnose(env, serve) -> list:
             Finding(
                 "error",
                 name,
-                f"flashinfer-cubin {cubin} != flashinfer-python {fi}",
-                f"install flashinfer-cubin {fi}, the version of flashinfer-python "
-                "(PyPI has no flashinfer-cubin 0.7.x: take it from where "
-                "flashinfer-python came from)",
+                f"flashinfer-cubin {cubin} != flashinfer-python {fi}; FlashInfer refuses to "
+                "start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
+                f"{FLASHINFER_CUBIN_COMMAND}   (FlashInfer's own command: flashinfer-cubin "
+                f"{fi} from FlashInfer's wheel index; PyPI has no 0.7.x)",
             )
         )
     if jit is None:
         findings.append(
             Finding(
-                "warn",
+                "info",
                 name,
-                "flashinfer-jit-cache is not installed: SM120 kernels come "
-                "from the sm120f jit-cache; the report installs its 4 KB shim with --no-deps",
-                f"install the flashinfer-jit-cache {fi} shim with --no-deps (it is not on PyPI)",
+                "flashinfer-jit-cache is not installed (this project's locks do not install "
+                "it either): FlashInfer compiles its SM120 kernels with nvcc on first use "
+                "($CUDA_HOME, else nvcc on PATH, else /usr/local/cuda) and keeps them under "
+                "~/.cache/flashinfer, so the first start takes longer.  The report's 4 KB "
+                "shim is FlashInfer's flashinfer-jit-cache package, from FlashInfer's own "
+                f"wheel index for torch's CUDA {env.torch_cuda or '(unknown)'}, not PyPI; "
+                "the SM120/SM121 kernels are in its flashinfer-jit-cache-sm120f provider, and "
+                "FlashInfer's command installs the two, with --no-deps, at flashinfer-python's "
+                "version",
+                JIT_CACHE_COMMAND,
             )
         )
     elif fi and jit.split("+")[0] != fi:
@@ -85,19 +93,8 @@ def diagnose(env, serve) -> list:
                 name,
                 f"flashinfer-jit-cache {jit} does not match flashinfer-python "
                 f"{fi}; FlashInfer refuses to start (unless FLASHINFER_DISABLE_VERSION_CHECK=1)",
-                f"install flashinfer-jit-cache {fi} (a +cuXXX suffix is fine)",
-            )
-        )
-    torch_v, audio_v = env.packages.get("torch"), env.packages.get("torchaudio")
-    if audio_v and major_minor(audio_v) != major_minor(torch_v):
-        findings.append(
-            Finding(
-                "warn",
-                name,
-                f"torchaudio {audio_v} was built for another torch than "
-                f"{torch_v} (vLLM {vllm_version}'s own pins); it can fail to load "
-                "(a language-model-only serve does not need it)",
-                "pip uninstall -y torchaudio",
+                f"{JIT_CACHE_COMMAND}   (FlashInfer's own command: the shim and the sm120f "
+                f"provider at {fi}, with --no-deps)",
             )
         )
     if serve is None:
@@ -147,6 +144,28 @@ def diagnose(env, serve) -> list:
     return findings
 
 
+SM12X_NODE = "an SM12x serving node"
+
+
+def as_sm12x_node(env):
+    """``env`` as the node that serves the line sees this fix: where no GPU is
+    visible here, the plugin's decision there, from its probe for SM120 on
+    the installed vLLM (this process decides not-needed for want of a GPU)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import probe
+    from vllm_mla_fixes.patching import CannotProbe, TargetMismatch
+    from vllm_mla_fixes.report import as_serving_node
+
+    if env.capability is not None or env.fix_state(INFO.name) != "not-needed":
+        return env
+    try:
+        reason = probe((12, 0))
+    except (CannotProbe, TargetMismatch) as exc:
+        return as_serving_node(env, INFO.name, SM12X_NODE, "skipped", str(exc))
+    if reason is not None:
+        return as_serving_node(env, INFO.name, SM12X_NODE, "not-needed", reason)
+    return as_serving_node(env, INFO.name, SM12X_NODE, "applied", "its probe for SM120 passes")
+
+
 SPLIT_ERROR_0_34 = (
     "ValueError: FLASHINFER_MLA_SPARSE_DSV41 needs 64-token kernel blocks, which packed "
     "128-token KV cache blocks cannot be split into."
@@ -158,6 +177,12 @@ SELFTEST_COMMAND = "vllm-mla-fixes selftest"
 
 
 SMOKE_COMMAND = "vllm-mla-fixes smoke http://<host>:<port>"
+
+
+# FlashInfer's own commands (flashinfer-python's CLI) for its kernel packages;
+# tests/test_doctor.py runs both with --dry-run.
+JIT_CACHE_COMMAND = "flashinfer install-jit-cache-wheel --mode minimal --sm sm120f"
+FLASHINFER_CUBIN_COMMAND = "flashinfer install-cubin-wheel"
 
 
 # Serve flags doctor suggests; tests check them with each affected release's own config classes.
