@@ -14,7 +14,7 @@ def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import Finding, fix_verdict, major_minor
+    from vllm_mla_fixes.report import Finding, fix_verdict
 
     name = INFO.name
     vllm_version = env.packages.get("vllm")
