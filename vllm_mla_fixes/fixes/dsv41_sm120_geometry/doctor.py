@@ -17,7 +17,6 @@ def diagnose(env, serve) -> list:
     from vllm_mla_fixes.report import Finding, fix_verdict
 
     name = INFO.name
-    vllm_version = env.packages.get("vllm")
     if (
         serve is not None
         and (serve.model_config or serve.architectures)  # its config, or its name, says
