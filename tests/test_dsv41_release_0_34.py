@@ -92,9 +92,11 @@ def test_block_size_64_starts_with_32_state_ratio2_pages_and_32_token_swa_pages(
         ("indexer", 1): {64},
         ("indexer", 2): {32},
     }
-    assert (
-        32 not in get_paged_mqa_page_sizes()
-    )  # the ratio-2 indexer pages are not a size SM120 takes
+    # vLLM says SM120's paged-MQA logits take 64-state pages only, but the
+    # kernels' own declarations take every page of this layout (DeepGEMM's
+    # host check: 32 and 64 rows; FlashInfer 0.7.4: run-time page sizes).
+    assert 32 not in get_paged_mqa_page_sizes()
+    assert repro.kernel_verdicts(repro.flashinfer_pages(geometry)) == ((), ())
     with pytest.raises(fix.PageGeometryError) as excinfo:
         fix.check_page_geometry(fix.bound_pages(geometry.forward_context))
     message = str(excinfo.value)
@@ -131,14 +133,43 @@ def test_fix_is_applied_on_0_34_0():
         assert result.status.state is State.APPLIED, result.status.reason
 
 
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_fix_starts_both_block_sizes_with_64_row_pages(sm120, block_size):
+def test_fix_steps_aside_for_block_size_64_where_upstream_works(sm120):
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(64)
+        repro.select_kernel_block_sizes(geometry)
+        repro.create_metadata_builders(geometry)
+        repro.allocate_and_bind(geometry)
+        pages = repro.flashinfer_pages(geometry)
+        decided, reason = fix.geometry_decision(geometry.vllm_config)
+    assert decided == fix.UPSTREAM
+    assert reason == (
+        "not-needed: upstream's --block-size 64 layout is within the installed kernels' envelopes"
+    )
+    assert _pages(geometry) == {
+        ("swa", 0): {32},
+        ("compressed", 1): {64},
+        ("compressed", 2): {32},
+        ("indexer", 1): {64},
+        ("indexer", 2): {32},
+    }
+    assert repro.kernel_verdicts(pages) == ((), ())
+
+
+@pytest.mark.parametrize(
+    "block_size, forced", [(64, fix.SPLIT), (128, None)], ids=["64-forced-split", "128"]
+)
+def test_fix_lays_out_64_row_pages(sm120, block_size, forced, monkeypatch):
+    """--block-size 128 does not start upstream: the fix lays out its split;
+    VLLM_MLA_FIXES_DSV41_GEOMETRY forces it where upstream works too."""
+    if forced:
+        monkeypatch.setenv(fix.GEOMETRY_ENV, forced)
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(block_size)
         repro.select_kernel_block_sizes(geometry)
         repro.create_metadata_builders(geometry)
         repro.allocate_and_bind(geometry)  # the fix's self-check runs inside and passes
         pages = repro.flashinfer_pages(geometry)
+        assert fix.geometry_decision(geometry.vllm_config)[0] == fix.SPLIT
     assert {page.rows for page in pages} == {fix.PAGE_ROWS}
     assert {(page.kind, page.compress_ratio) for page in pages} == {
         ("swa", 0),

@@ -24,12 +24,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
 from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -341,6 +344,71 @@ def summary_markdown(cells: list[Cell]) -> str:
         )
         lines.append(f"| {c.vllm} | {size} | {verdict} | {decision} | {versus} |")
     return "\n".join(lines) + "\n"
+
+
+COMMAND = "vllm-mla-fixes status --json --truth-table"
+
+
+def _cache_file() -> Path | None:
+    """Where the installed build's table is kept: keyed by vLLM's and
+    FlashInfer's versions and by this package's DeepSeek-V4.1 code, so that
+    any change to them is a new table; None outside the covered releases."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from vllm_mla_fixes import screen_cache
+
+    try:
+        installed = version("vllm")
+        flashinfer = version("flashinfer-python")
+    except PackageNotFoundError:
+        return None
+    if installed not in envelope.COVERED_VLLM:
+        return None
+    package = Path(__file__).resolve().parent.parent
+    sources = sorted((package / "fixes" / "dsv41_sm120_geometry").glob("*.py"))
+    sources += [package / "reproductions" / name for name in REPRODUCTION_SOURCES]
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.read_bytes())
+    key = f"{installed}-{flashinfer}-{digest.hexdigest()[:16]}"
+    return screen_cache.cache_dir().parent / "truth-tables" / f"{key}.json"
+
+
+REPRODUCTION_SOURCES = ("dsv41_truth_table.py", "dsv41_capacity.py", "dsv41_sm120_geometry.py")
+
+
+def for_status(compute: bool) -> dict[str, Any]:
+    """``status --json``'s ``dsv41_truth_table``: the installed build's cells,
+    from the cache or (``compute``) derived now in a fresh interpreter and
+    kept; else where they would come from."""
+    cache = _cache_file()
+    if cache is None:
+        return {"cells": None, "source": "not a release the DeepSeek-V4.1 fix covers"}
+    if cache.is_file():
+        return {"cells": json.loads(cache.read_text(encoding="utf-8")), "source": str(cache)}
+    if not compute:
+        return {
+            "cells": None,
+            "source": f"not derived yet for this install: run `{COMMAND}` (a few minutes on CPU, "
+            "once per installed vLLM)",
+        }
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", __name__],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = [line for line in done.stderr.splitlines() if line.strip()][-1:]
+        return {"cells": None, "source": f"could not derive it: {' '.join(tail) or done.returncode}"}
+    from vllm_mla_fixes.atomic import write_atomic
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(cache, done.stdout.strip().splitlines()[-1])
+    return {"cells": json.loads(cache.read_text(encoding="utf-8")), "source": str(cache)}
 
 
 def main(argv: list[str] | None = None) -> int:
