@@ -136,3 +136,4 @@ def revert_all() -> None:
             if patch is not None:
                 patch.revert()
         _results.clear()
+        settings.forget_warnings()

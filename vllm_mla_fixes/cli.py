@@ -192,10 +192,10 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         report = run_selftest(
             tuple(args.geometry or ()) or None, jobs=args.jobs, timing=not args.no_timing
         )
-    if args.json:
-        print(json.dumps(report.as_json(), indent=2))
-    else:
-        print(report.text())
+    document = json.dumps(report.as_json(), indent=2)
+    if args.report is not None:
+        atomic.write_atomic(Path(args.report), document + "\n")
+    print(document if args.json else report.text())
     return report.exit_status
 
 
@@ -365,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     selftest.add_argument(
         "--no-timing", action="store_true", help="skip timing the per-step slot translation"
+    )
+    selftest.add_argument(
+        "--report",
+        metavar="FILE",
+        help="also write the JSON report to FILE (whole, or not at all)",
     )
 
     smoke_cmd = _command(

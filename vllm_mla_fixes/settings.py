@@ -218,6 +218,12 @@ def warn_invalid(log: logging.Logger) -> None:
         log.warning("vllm-mla-fixes: %s", reading.describe())
 
 
+def forget_warnings() -> None:
+    """Warn again, as a freshly started process would (the plugin's revert_all)."""
+    with _warned_lock:
+        _warned.clear()
+
+
 def help_text() -> str:
     """The settings as ``--help`` shows them."""
     lines = ["environment variables (an invalid value is ignored with one warning):"]

@@ -124,7 +124,10 @@ class _Client:
         if isinstance(reason, TimeoutError):
             return f"stalled: no answer within {self.waited:.3g} s ({self.limit})"
         if isinstance(exc, DeadlinePassed):
-            return f"stalled: the overall deadline ({self.deadline:g} s, --deadline) passed"
+            return (
+                f"stalled: the overall deadline ({self.deadline:g} s, --deadline) passed "
+                "before the answer ended"
+            )
         if isinstance(exc, urllib.error.URLError):
             return f"cannot connect: {exc.reason}"
         if isinstance(exc, BadAnswer):
@@ -173,9 +176,16 @@ def _exchange(
     else:
         body["prompt"] = prompt
         path = "/v1/completions"
+    try:
+        response = client.request(path, body)
+    except DeadlinePassed:
+        raise  # not started: the caller counts what was not run
+    except Exception as exc:
+        exchange.problem = client.describe(exc)
+        return exchange
     raw = b""
     try:
-        with client.request(path, body) as response:
+        with response:
             if stream:
                 parts = []
                 for line in response:
@@ -191,14 +201,14 @@ def _exchange(
                     if isinstance(event, dict) and "error" in event:
                         raise BadAnswer(f"error event: {event['error']}")
                     parts += [_text_of(c, kind, True) for c in _choices(event)]
+                else:  # vLLM ends every stream with this event
+                    raise BadAnswer(f"the stream ended without 'data: [DONE]': {raw[:80]!r}")
                 exchange.text = "".join(parts)
             else:
                 raw = response.read()
                 choices = _choices(_json(raw, "the answer"))
                 exchange.text = "".join(_text_of(c, kind, False) for c in choices)
-    except DeadlinePassed:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # DeadlinePassed too: it stalled part-way
         exchange.problem = client.describe(exc)
         return exchange
     if REPLACEMENT_BYTES in raw or REPLACEMENT in exchange.text:
@@ -265,8 +275,7 @@ def run(
             label = Exchange(kind, prompt, stream).label
             result.problems.append(
                 f"the overall deadline ({deadline:g} s, --deadline) passed: "
-                f"{len(planned) - done} of {len(planned)} requests not run or not finished, "
-                f"from {label} on"
+                f"{len(planned) - done} of {len(planned)} requests not run, from {label} on"
             )
             break
     return result
