@@ -128,9 +128,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"settings: none set (every {settings.PREFIX}* variable at its default)")
     else:
         print("settings:")
-    for r in readings:
-        mark = "ok  " if r.valid else "WARN" if r.setting else "note"
-        print(f"  [{mark}] {r.describe()}")
+    for reading in readings:
+        mark = "ok  " if reading.valid else "WARN" if reading.setting else "note"
+        print(f"  [{mark}] {reading.describe()}")
     return exit_status
 
 
@@ -171,6 +171,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     from vllm_mla_fixes.selftest.verdicts import EXIT_CANNOT_RUN
+
+    if args.report is not None and not Path(args.report).parent.is_dir():
+        raise CommandError(f"--report {args.report}: its folder does not exist", EXIT_USAGE)
 
     try:
         import torch  # noqa: F401
@@ -245,6 +248,11 @@ def cmd_review(args: argparse.Namespace) -> int:
 # -- the parser -------------------------------------------------------------------------
 
 
+def _plain(text: str) -> str:
+    """Help is read in a terminal: no reStructuredText literal markup."""
+    return text.replace("``", "").replace("`", "")
+
+
 def _exit_codes(*lines: str) -> str:
     return "exit status:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -256,15 +264,15 @@ def _command(
     summary: str,
     description: str,
     epilog: str,
-    **kwargs,
+    usage: str | None = None,
 ) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         name,
         help=summary,
         description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}",
-        epilog=epilog,
+        epilog=_plain(epilog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        **kwargs,
+        usage=usage,
     )
     parser.set_defaults(func=func)
     return parser
