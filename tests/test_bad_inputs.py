@@ -7,8 +7,8 @@ stdout, the error included.  ``build-wheel`` is also stopped by SIGTERM and
 SIGINT at several points of a real build: the output folder must stay exactly
 as it was.
 
-Only the status, doctor and build-wheel cases need vLLM or its wheel; all run
-in the 0.25.1 session (the cheapest), once.
+Only the status and build-wheel cases need vLLM or its wheel; all run in the
+0.25.1 session (the cheapest), once.
 """
 
 from __future__ import annotations
@@ -159,6 +159,11 @@ ARGUMENT_CASES = [
     # verify
     case("verify --bogus", 2, "unrecognized arguments: --bogus"),
     case("verify 0.25.1", 2, "unrecognized arguments: 0.25.1"),
+    # doctor (its serve-line checks are doctor's own tests)
+    case("doctor --bogus", 2, "unrecognized arguments: --bogus"),
+    case("doctor --json --bogus", 2, "unrecognized arguments: --bogus"),
+    case("doctor -- vllm serve", 2, "the serve line names no model"),
+    case("doctor --json -- vllm serve", 2, "the serve line names no model"),
     # selftest
     case("selftest --jobs 0", 2, "argument --jobs: 0 is not positive (allowed: 1 or more)"),
     case("selftest --jobs -1", 2, "argument --jobs: -1 is not positive"),
@@ -181,13 +186,13 @@ ARGUMENT_CASES = [
     case("smoke localhost:8000", 2, "'localhost:8000' is not an http:// or https:// URL"),
     case("smoke ftp://localhost/", 2, "'ftp://localhost/' is not an http:// or https:// URL"),
     case("smoke http://", 2, "'http://' names no host"),
-    case("smoke {closed} --timeout -1", 2, "argument --timeout: -1.0 is not a positive"),
-    case("smoke {closed} --timeout 0", 2, "argument --timeout: 0.0 is not a positive"),
+    case("smoke {closed} --timeout -1", 2, "argument --timeout: -1 is not a positive"),
+    case("smoke {closed} --timeout 0", 2, "argument --timeout: 0 is not a positive"),
     case("smoke {closed} --timeout soon", 2, "argument --timeout: 'soon' is not a number"),
     case("smoke {closed} --timeout nan", 2, "argument --timeout: nan is not a positive, finite"),
     case("smoke {closed} --timeout inf", 2, "argument --timeout: inf is not a positive, finite"),
-    case("smoke --json {closed} --timeout -1", 2, "argument --timeout: -1.0 is not a positive"),
-    case("smoke {closed} --deadline 0", 2, "argument --deadline: 0.0 is not a positive"),
+    case("smoke --json {closed} --timeout -1", 2, "argument --timeout: -1 is not a positive"),
+    case("smoke {closed} --deadline 0", 2, "argument --deadline: 0 is not a positive"),
     case("smoke {closed} --max-tokens 0", 2, "argument --max-tokens: 0 is not positive"),
     # build-wheel: every argument checked before any download
     case("build-wheel", 2, "one of the arguments --vllm-wheel --vllm is required"),
@@ -394,21 +399,6 @@ def test_vllm_plugins_without_this_plugin_is_named_as_the_cause(tmp_path):
         ), fix
 
 
-# -- doctor's command line --------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("argv", "says"),
-    [
-        (("doctor", "--json", "--", "vllm", "serve"), "no model"),
-        (("doctor", "--", "vllm", "serve", "m", "--block-size", "sixty-four"), "sixty-four"),
-    ],
-)
-def test_doctor_serve_line_it_cannot_check(tmp_path, argv, says):
-    proc = cli(*argv, cwd=tmp_path)
-    assert_one_error(proc, 2, says)
-
-
 # -- help and version ---------------------------------------------------------------------
 
 
@@ -432,14 +422,15 @@ def test_help_says_what_the_command_does_and_its_exit_codes(tmp_path, command):
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
-    """Every path under ``folder`` (folders included): inode, size, mtime."""
+    """Every path under ``folder``: inode, size, mtime.  (The folder's own
+    mtime moves whenever a file is created in it, the temporary one too.)"""
     return {
         str(path.relative_to(folder)): (
             path.stat().st_ino,
             path.stat().st_size,
             path.stat().st_mtime_ns,
         )
-        for path in [folder, *sorted(folder.rglob("*"))]
+        for path in sorted(folder.rglob("*"))
     }
 
 
