@@ -203,12 +203,13 @@ def _run_selftest(session: nox.Session, release: str, env: dict[str, str]) -> No
         "vllm-mla-fixes",
         "selftest",
         "--json",
+        "--report",
+        str(report),
         env=env,
         silent=True,
         success_codes=[0, 1, 2],
         stderr=None,
     )
-    report.write_text(printed)
     session.log(f"selftest report: {report}")
     import json
 

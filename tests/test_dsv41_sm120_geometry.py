@@ -599,6 +599,14 @@ def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
     assert f"drafter sliding-window pages hold 64 tokens ({fix.DRAFTER_SWA_ENV}=64)" in reason
 
 
+@pytest.mark.parametrize("value", ["7", "-1", "abc", "128"])
+def test_drafter_rows_other_than_64_count_as_unset(monkeypatch, value):
+    monkeypatch.delenv(fix.DRAFTER_SWA_ENV, raising=False)
+    unset = fix.drafter_swa_rows()
+    monkeypatch.setenv(fix.DRAFTER_SWA_ENV, value)
+    assert fix.drafter_swa_rows() == unset
+
+
 def test_dspark_drafter_with_a_ratio_1_cache_falls_back_and_names_the_layer():
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 1, 0))
@@ -645,10 +653,14 @@ def test_operator_can_force_the_fallback(monkeypatch):
     monkeypatch.setenv(fix.GEOMETRY_ENV, "per-ratio")
     with repro.applied((12, 0)):
         assert fix.geometry_decision(_config()) == (fix.PER_RATIO, f"{fix.GEOMETRY_ENV}=per-ratio")
-    monkeypatch.setenv(fix.GEOMETRY_ENV, "bogus")
+    monkeypatch.delenv(fix.GEOMETRY_ENV)
     with repro.applied((12, 0)):
-        geometry, reason = fix.geometry_decision(_config())
-    assert geometry == fix.PER_RATIO and "'bogus' is not" in reason
+        unset = fix.geometry_decision(_config())
+    # a value that is not allowed counts as unset (the plugin warns about it when it loads)
+    for value in ("bogus", "per_ratio", ""):
+        monkeypatch.setenv(fix.GEOMETRY_ENV, value)
+        with repro.applied((12, 0)):
+            assert fix.geometry_decision(_config()) == unset, value
 
 
 def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkeypatch):

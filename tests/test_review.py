@@ -208,27 +208,28 @@ def test_a_reviewed_release_has_nothing_to_review():
     [
         (
             ("--vllm", "banana"),
-            "review: error: --vllm 'banana' is not a release number (e.g. 0.34.0) or 'latest'",
+            "vllm-mla-fixes review: error: argument --vllm: 'banana' is not a release number "
+            "(e.g. 0.34.0) or 'latest'",
         ),
         (
             ("--vllm", "0.0.1"),
-            "review: error: the index has no vLLM 0.0.1 wheel for this platform (found: none)",
+            "vllm-mla-fixes review: error: the index has no vLLM 0.0.1 wheel for this platform (found: none)",
         ),
         (
             ("--vllm", "0.34.0", "--index-url", "http://127.0.0.1:9/simple"),
-            "review: error: cannot read the package index at http://127.0.0.1:9/simple/vllm/: ",
+            "vllm-mla-fixes review: error: cannot read the package index at http://127.0.0.1:9/simple/vllm/: ",
         ),
         (
             ("--vllm", "latest", "--index-url", "http://127.0.0.1:9/simple"),
-            "review: error: cannot read the package index at http://127.0.0.1:9/simple/vllm/: ",
+            "vllm-mla-fixes review: error: cannot read the package index at http://127.0.0.1:9/simple/vllm/: ",
         ),
         (
             ("--vllm", "0.34.0", "--against", "0.1.0"),
-            "review: error: --against 0.1.0: no fix has definitions reviewed in that release (reviewed: ",
+            "vllm-mla-fixes review: error: --against 0.1.0: no fix has definitions reviewed in that release (reviewed: ",
         ),
         (
             ("--vllm-wheel", "/nonexistent/vllm-0.34.0-py3-none-any.whl"),
-            "review: error: no such wheel: /nonexistent/vllm-0.34.0-py3-none-any.whl",
+            "vllm-mla-fixes review: error: no such wheel: /nonexistent/vllm-0.34.0-py3-none-any.whl",
         ),
     ],
 )

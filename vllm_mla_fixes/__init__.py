@@ -11,12 +11,14 @@ import logging
 import os
 import threading
 
+from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME
 from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, run_fix
 
-__all__ = ["register", "status", "revert_all", "selected_fixes"]
+__all__ = ["register", "status", "revert_all"]
 
-ENV_VAR = "VLLM_MLA_FIXES"
+ENV_VAR = settings.FIXES.name
+PLUGIN_NAME = "mla_fixes"  # the vllm.general_plugins entry point
 __version__ = "0.1.0"
 
 _lock = threading.Lock()
@@ -29,19 +31,6 @@ def _logger() -> logging.Logger:
     except Exception:
         return logging.getLogger("vllm.mla_fixes")
     return init_logger("vllm.mla_fixes")
-
-
-def selected_fixes(value: str | None = None) -> tuple[set[str], list[str]]:
-    """Parse ``VLLM_MLA_FIXES``: (names selected, unknown names given)."""
-    raw = os.environ.get(ENV_VAR) if value is None else value
-    raw = (raw or "").strip().lower()
-    if raw in ("", "all"):
-        return set(FIX_NAMES), []
-    if raw == "none":
-        return set(), []
-    names = {part.strip() for part in raw.split(",") if part.strip()}
-    unknown = sorted(names - set(FIX_NAMES))
-    return names & set(FIX_NAMES), unknown
 
 
 def installed_vllm_version() -> str | None:
@@ -75,14 +64,10 @@ def register() -> None:
 def _register() -> None:
     log = _logger()
     with _lock:
-        selected, unknown = selected_fixes()
-        if unknown:
-            log.warning(
-                "vllm-mla-fixes: %s names unknown fix(es) %s; known: %s",
-                ENV_VAR,
-                ", ".join(unknown),
-                ", ".join(FIX_NAMES),
-            )
+        settings.warn_invalid(log)
+        selected = settings.value(settings.FIXES)
+        if selected is None:
+            selected = frozenset(FIX_NAMES)
         version = installed_vllm_version()
         for module in ALL_FIXES:
             name = module.INFO.name
@@ -97,7 +82,10 @@ def _register() -> None:
                 _results[name] = AppliedFix(FixStatus(name, State.SKIPPED, "vLLM is not installed"))
                 continue
             result = run_fix(module, version)
+            previous = _results.get(name)
             _results[name] = result
+            if previous is not None and previous.status == result.status:
+                continue  # said once in this process already (vLLM may load plugins again)
             if result.status.state is State.APPLIED:
                 log.info("vllm-mla-fixes: applied %s (%s)", name, result.status.reason)
             elif result.status.state is State.SKIPPED:
@@ -117,9 +105,7 @@ def status() -> list[FixStatus]:
 def _status_of(name: str) -> FixStatus:
     result = _results.get(name)
     if result is None:
-        return FixStatus(
-            name, State.SKIPPED, "not evaluated: the plugin has not run in this process"
-        )
+        return FixStatus(name, State.SKIPPED, _why_not_evaluated())
     if result.patch is not None and result.patch.failed:
         return FixStatus(
             name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was"
@@ -131,6 +117,17 @@ def _status_of(name: str) -> FixStatus:
     return result.status
 
 
+def _why_not_evaluated() -> str:
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        # vLLM's loader takes exactly the names VLLM_PLUGINS lists, split at commas
+        return (
+            f"not loaded: VLLM_PLUGINS={allowed!r} does not name {PLUGIN_NAME}, so vLLM does "
+            f"not load this plugin; add {PLUGIN_NAME} to it, or unset it to load every plugin"
+        )
+    return "not evaluated: the plugin has not run in this process"
+
+
 def revert_all() -> None:
     """Undo every applied fix in this process (tests use it)."""
     with _lock:
@@ -139,3 +136,4 @@ def revert_all() -> None:
             if patch is not None:
                 patch.revert()
         _results.clear()
+        settings.forget_warnings()

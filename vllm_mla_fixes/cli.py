@@ -1,4 +1,10 @@
-"""``vllm-mla-fixes status | verify | doctor | selftest | smoke | build-wheel | review``."""
+"""vllm-mla-fixes: check and apply, in place, the fixes for known MLA failures of vLLM.
+
+The fixes apply themselves: vLLM loads this package as a plugin in every process
+it starts, and each fix changes vLLM only where the installed release needs it.
+These commands show what applies, check an environment or a running server,
+and build or review vLLM wheels.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +13,59 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NoReturn
 
 import vllm_mla_fixes
-from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
+from vllm_mla_fixes import arguments, atomic, settings
+from vllm_mla_fixes.fixes import ALL_FIXES
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+PROG = "vllm-mla-fixes"
+USAGE_EXIT = "2  bad arguments (one line on stderr says which)"
 
 
-def _check_selection() -> str | None:
-    _, unknown = vllm_mla_fixes.selected_fixes()
-    if unknown:
-        return (
-            f"error: {vllm_mla_fixes.ENV_VAR} names unknown fix(es): {', '.join(unknown)}. "
-            f"Known fixes: {', '.join(FIX_NAMES)}; or use 'all' / 'none'."
-        )
-    return None
+class UsageError(Exception):
+    """A command line argparse refuses: ``prog`` is the (sub)command it belongs to."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class CommandError(Exception):
+    """A command cannot do its work; the message says why, in one line."""
+
+    def __init__(self, message: str, exit_status: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors end in :func:`main` as one line instead of usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, f"{message} (see {self.prog} --help)")
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _fail(prog: str, message: str, exit_status: int, as_json: bool) -> int:
+    """One line on stderr; in a JSON mode also the error as the JSON document on stdout."""
+    message = _one_line(message)
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": message, "exit_status": exit_status}, indent=2))
+    return exit_status
 
 
 @contextlib.contextmanager
 def logs_to_stderr() -> Iterator[None]:
     """While vLLM and the plugins load, send everything they write to stderr,
-    so stdout carries our output alone (``--json`` is exactly one document).
+    so stdout carries our output alone (--json is exactly one document).
 
     vLLM's logger writes to stdout unless VLLM_LOGGING_STREAM says otherwise;
     it is pointed at stderr for this process before vLLM is imported.  Other
@@ -44,23 +83,22 @@ def logs_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+# -- status ---------------------------------------------------------------------------
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    problem = _check_selection()
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
     if vllm_mla_fixes.installed_vllm_version() is None:
-        print(
-            "error: vLLM is not installed in this environment, so no fix can apply. "
-            "Install vllm-mla-fixes into the environment that runs `vllm serve`.",
-            file=sys.stderr,
+        raise CommandError(
+            "vLLM is not installed in this environment, so no fix can apply; install "
+            "vllm-mla-fixes into the environment that runs vllm serve"
         )
-        return 1
     with logs_to_stderr():
-        import vllm.plugins  # vLLM's own loader: honours VLLM_PLUGINS as `vllm serve` would
+        import vllm.plugins  # vLLM's own loader: honours VLLM_PLUGINS as vllm serve does
 
         vllm.plugins.load_general_plugins()
         statuses = vllm_mla_fixes.status()
+    readings = settings.readings()
+    exit_status = EXIT_USAGE if any(r.setting and not r.valid for r in readings) else EXIT_OK
     rows = [
         {
             "name": entry.name,
@@ -73,24 +111,53 @@ def cmd_status(args: argparse.Namespace) -> int:
         for module, entry in zip(ALL_FIXES, statuses)
     ]
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "vllm": vllm_mla_fixes.installed_vllm_version(),
-                    "vllm_mla_fixes": vllm_mla_fixes.__version__,
-                    "fixes": rows,
-                },
-                indent=2,
-            )
-        )
-        return 0
-    print(
-        f"vLLM {vllm_mla_fixes.installed_vllm_version()}, vllm-mla-fixes {vllm_mla_fixes.__version__}"
-    )
+        document = {
+            "vllm": vllm_mla_fixes.installed_vllm_version(),
+            "vllm_mla_fixes": vllm_mla_fixes.__version__,
+            "fixes": rows,
+            "settings": [r.as_json() for r in readings],
+            "kernel_disagreements": _kernel_disagreements(),
+            "exit_status": exit_status,
+        }
+        if vllm_mla_fixes.installed_vllm_version() in DSV41_TABLE_RELEASES:
+            from vllm_mla_fixes.reproductions import dsv41_truth_table
+
+            with logs_to_stderr():
+                document["dsv41_truth_table"] = dsv41_truth_table.for_status(args.truth_table)
+        print(json.dumps(document, indent=2))
+        return exit_status
+    print(f"vLLM {vllm_mla_fixes.installed_vllm_version()}, {PROG} {vllm_mla_fixes.__version__}")
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         print(f"  {r['name']:<{width}}  {r['state']}: {r['reason']}")
-    return 0
+    if not readings:
+        print(f"settings: none set (every {settings.PREFIX}* variable at its default)")
+    else:
+        print("settings:")
+    for reading in readings:
+        mark = "ok  " if reading.valid else "WARN" if reading.setting else "note"
+        print(f"  [{mark}] {reading.describe()}")
+    for disagreement in _kernel_disagreements():
+        print(f"  [note] vLLM and a kernel disagree: {disagreement}")
+    return exit_status
+
+
+DSV41_TABLE_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+
+
+def _kernel_disagreements() -> list[str]:
+    """Where vLLM's statement about a DeepSeek-V4.1 kernel on SM12x and the
+    kernel's own declaration in the installed build differ, with both sources
+    (empty outside the releases the fix covers)."""
+    if vllm_mla_fixes.installed_vllm_version() not in DSV41_TABLE_RELEASES:
+        return []
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
+
+    with logs_to_stderr():
+        return [str(d) for d in envelope.disagreements()]
+
+
+# -- verify, doctor, selftest -----------------------------------------------------------
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -121,40 +188,44 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         with logs_to_stderr():
             env, serve, findings = doctor.diagnose(serve_args)
     except doctor.DoctorInputError as exc:
-        return doctor.input_error(str(exc), as_json=args.json)
+        raise CommandError(str(exc), doctor.EXIT_STATUS[doctor.WILL_FAIL]) from exc
     return doctor.report(env, serve, findings, as_json=args.json)
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     from vllm_mla_fixes.selftest.verdicts import EXIT_CANNOT_RUN
 
+    if args.report is not None and not Path(args.report).parent.is_dir():
+        raise CommandError(f"--report {args.report}: its folder does not exist", EXIT_USAGE)
+
     try:
         import torch  # noqa: F401
     except ModuleNotFoundError:
-        print(
-            "selftest: cannot run: PyTorch is not installed in this environment "
+        raise CommandError(
+            "cannot run: PyTorch is not installed in this environment "
             f"({sys.executable}); run it where vLLM is installed",
-            file=sys.stderr,
-        )
-        return EXIT_CANNOT_RUN
+            EXIT_CANNOT_RUN,
+        ) from None
     _cpu_triton_for_selftest()
     if vllm_mla_fixes.installed_vllm_version() is None:
-        print(
-            f"selftest: cannot run: vLLM is not installed in this environment ({sys.executable})",
-            file=sys.stderr,
+        raise CommandError(
+            f"cannot run: vLLM is not installed in this environment ({sys.executable})",
+            EXIT_CANNOT_RUN,
         )
-        return EXIT_CANNOT_RUN
     from vllm_mla_fixes.selftest import run_selftest
 
     with logs_to_stderr():
         report = run_selftest(
             tuple(args.geometry or ()) or None, jobs=args.jobs, timing=not args.no_timing
         )
-    if args.json:
-        print(json.dumps(report.as_json(), indent=2))
-    else:
-        print(report.text())
+    document = json.dumps(report.as_json(), indent=2)
+    if args.report is not None:
+        atomic.write_atomic(Path(args.report), document + "\n")
+    print(document if args.json else report.text())
     return report.exit_status
+
+
+# -- smoke, build-wheel, review ---------------------------------------------------------
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
@@ -166,54 +237,157 @@ def cmd_smoke(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         api_key=args.api_key,
         timeout=args.timeout,
+        deadline=args.deadline,
     )
     print(json.dumps(result.as_json(), indent=2) if args.json else result.text())
-    return 0 if result.ok else 1
+    return EXIT_OK if result.ok else EXIT_FAILED
 
 
 def cmd_build_wheel(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import wheel
 
-    return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {args.out}: exists and is not a folder", EXIT_USAGE)
+    if args.vllm_wheel is not None:
+        source = Path(args.vllm_wheel)
+        if not source.is_file():
+            raise CommandError(f"--vllm-wheel {args.vllm_wheel}: no such file", EXIT_USAGE)
+        try:
+            wheel.upstream_version(source)
+        except wheel.WheelBuildError as exc:
+            raise CommandError(f"--vllm-wheel: {exc}", EXIT_USAGE) from exc
+    with atomic.interruptions_unwind():
+        return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
 
 
 def cmd_review(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import review
 
-    return review.run(args.vllm, args.vllm_wheel, args.against, args.index_url)
+    with atomic.interruptions_unwind():  # a download into the cache is cleaned up
+        return review.run(args.vllm, args.vllm_wheel, args.against, args.index_url)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-mla-fixes", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="which fixes apply in this environment")
-    status.add_argument("--json", action="store_true")
-    status.set_defaults(func=cmd_status)
-    verify = sub.add_parser(
-        "verify", help="reproduce each failure of the installed vLLM on CPU, then fix it"
+# -- the parser -------------------------------------------------------------------------
+
+
+def _plain(text: str) -> str:
+    """Help is read in a terminal: no reStructuredText literal markup."""
+    return text.replace("``", "").replace("`", "")
+
+
+def _exit_codes(*lines: str) -> str:
+    return "exit status:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    summary: str,
+    description: str,
+    epilog: str,
+    usage: str | None = None,
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        name,
+        help=summary,
+        description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}",
+        epilog=_plain(epilog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=usage,
     )
-    verify.set_defaults(func=cmd_verify)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Run {PROG} COMMAND --help for what a command does, its options and exit status.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"{PROG} {vllm_mla_fixes.__version__}"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    status = _command(
+        sub,
+        "status",
+        cmd_status,
+        "which fixes apply in this environment, and why",
+        "Loads the plugins through vLLM's own loader, as vllm serve does (VLLM_PLUGINS\n"
+        "applies), then prints each fix's state (applied, not-needed, disabled, skipped)\n"
+        f"and reason, and every {settings.PREFIX}* variable that is set.\n\n"
+        + settings.help_text(),
+        _exit_codes(
+            "0  the report is printed",
+            "1  vLLM is not installed in this environment",
+            f"2  bad arguments, or a {settings.PREFIX}* variable has a value that is not",
+            "   allowed (the report flags it WARN; the plugin ignores it)",
+        ),
+    )
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout (logs go to stderr)"
+    )
+    status.add_argument(
+        "--truth-table",
+        action="store_true",
+        help="with --json: derive the DeepSeek-V4.1 truth table of this install if it is not\n"
+        "kept yet (a few minutes on CPU, once per installed vLLM), and include it",
+    )
+
+    _command(
+        sub,
+        "verify",
+        cmd_verify,
+        "reproduce each failure of the installed vLLM on CPU, then show the fix removes it",
+        "For each fix the installed release needs, runs vLLM's own code with the package's\n"
+        "tiny model configs: first unfixed (the failure must appear), then fixed.",
+        _exit_codes(
+            "0  every failure this release has was reproduced and fixed",
+            "1  a reproduction or a fix did not behave as expected, or vLLM is not installed",
+            USAGE_EXIT,
+        ),
+    )
+
     from vllm_mla_fixes.doctor import HELP_EPILOG as DOCTOR_EPILOG
 
-    doctor = sub.add_parser(
+    doctor = _command(
+        sub,
         "doctor",
-        help="check this environment and, after --, a `vllm serve` line",
-        usage="vllm-mla-fixes doctor [--json] [-- <vllm serve args>]",
-        epilog=DOCTOR_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_doctor,
+        "check this environment and, after --, a vllm serve line",
+        "Reports the packages, the GPU and the plugin settings, and for the serve line\n"
+        "given after -- which known failure it would hit here, whether a fix covers it,\n"
+        "and what to do.",
+        DOCTOR_EPILOG,
+        usage=f"{PROG} doctor [--json] [-- <vllm serve args>]",
     )
     doctor.add_argument("--json", action="store_true", help="print one JSON document (below)")
     doctor.add_argument(
         "serve_args", nargs=argparse.REMAINDER, help="after --: the vllm serve line to check"
     )
-    doctor.set_defaults(func=cmd_doctor)
-    selftest = sub.add_parser(
+
+    selftest = _command(
+        sub,
         "selftest",
-        help="DeepSeek-V4.1 on SM12x: run the writers and readers vLLM uses on this "
-        "device over the fixed KV layout, against a dense reference; exit 1 on a mismatch, "
-        "2 when it cannot run",
+        cmd_selftest,
+        "DeepSeek-V4.1: prove the fixed KV page layout on this device",
+        "Runs the writers and readers vLLM uses on this device over the fixed KV layout\n"
+        "(vLLM 0.32.0 to 0.34.0) and compares every read with a dense reference. Without\n"
+        "a GPU, vLLM's Triton kernels run in Triton's interpreter.",
+        _exit_codes(
+            "0  pass",
+            "1  a mismatch, or a missed control",
+            "2  bad arguments, or it cannot run here (the reason is printed)",
+        ),
     )
-    selftest.add_argument("--json", action="store_true", help="print only the JSON report")
+    selftest.add_argument(
+        "--json", action="store_true", help="print only the JSON report on stdout"
+    )
     selftest.add_argument(
         "--geometry",
         action="append",
@@ -222,79 +396,175 @@ def main(argv: list[str] | None = None) -> int:
     )
     selftest.add_argument(
         "--jobs",
-        type=int,
+        type=arguments.positive_int,
         default=None,
-        help="geometries run in parallel processes (CPU only; default: cores)",
+        help="geometries run in parallel processes, 1 or more (CPU only; default: cores)",
     )
     selftest.add_argument(
         "--no-timing", action="store_true", help="skip timing the per-step slot translation"
     )
-    selftest.set_defaults(func=cmd_selftest)
-    smoke_cmd = sub.add_parser(
-        "smoke",
-        help="check a running server: /health, /v1/models, then chats and completions "
-        "(streamed and not) must be non-empty text without U+FFFD; exit 1 otherwise",
+    selftest.add_argument(
+        "--report",
+        metavar="FILE",
+        help="also write the JSON report to FILE (whole, or not at all)",
     )
-    smoke_cmd.add_argument("url", help="the server's base URL, e.g. http://localhost:8000")
+
+    smoke_cmd = _command(
+        sub,
+        "smoke",
+        cmd_smoke,
+        "check a running OpenAI-compatible server answers in text",
+        "/health must answer 200, the model must be listed by /v1/models, and a chat and a\n"
+        "completion of each prompt, streamed and not, must come back as non-empty text\n"
+        "without U+FFFD (what a misread KV cache decodes to).",
+        _exit_codes(
+            "0  every check passed",
+            "1  a check failed (the report says which request, and why)",
+            USAGE_EXIT,
+        ),
+    )
+    smoke_cmd.add_argument(
+        "url", type=arguments.server_url, help="the server's base URL, e.g. http://localhost:8000"
+    )
     smoke_cmd.add_argument("--model", help="the served model name (default: the first listed)")
-    smoke_cmd.add_argument("--max-tokens", type=int, default=32)
+    smoke_cmd.add_argument(
+        "--max-tokens",
+        type=arguments.positive_int,
+        default=32,
+        help="tokens per answer, 1 or more (default: 32)",
+    )
     smoke_cmd.add_argument(
         "--api-key",
         default=os.environ.get("VLLM_API_KEY"),
         help="bearer token (default: $VLLM_API_KEY)",
     )
-    smoke_cmd.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    smoke_cmd.add_argument("--json", action="store_true", help="print only the JSON report")
-    smoke_cmd.set_defaults(func=cmd_smoke)
-    build = sub.add_parser("build-wheel", help="write a vLLM wheel that carries these fixes")
+    smoke_cmd.add_argument(
+        "--timeout",
+        type=arguments.positive_seconds,
+        default=120.0,
+        help="seconds each request may take (default: 120)",
+    )
+    smoke_cmd.add_argument(
+        "--deadline",
+        type=arguments.positive_seconds,
+        default=300.0,
+        help="seconds the whole check may take; requests past it are not run (default: 300)",
+    )
+    smoke_cmd.add_argument(
+        "--json", action="store_true", help="print only the JSON report on stdout"
+    )
+
+    build = _command(
+        sub,
+        "build-wheel",
+        cmd_build_wheel,
+        "write a vLLM wheel that carries these fixes",
+        "Copies an upstream vLLM wheel byte for byte, adds this package with its plugin\n"
+        "entry point, and names the result vllm-<version>+mlafixes.<plugin version>.\n"
+        "The wheel is written under a temporary name and checked (zip, RECORD, version)\n"
+        "before it takes its final name: a failed or interrupted build (Ctrl-C, SIGTERM)\n"
+        "leaves the output folder as it was.",
+        _exit_codes(
+            "0  the wheel is written (its path and sha256 are printed)",
+            "1  the build failed: download, sha256, or wheel contents (one line says why)",
+            "2  bad arguments (a version, URL, build number or path; checked before any download)",
+            "130, 143  interrupted by Ctrl-C or SIGTERM; nothing was written",
+        ),
+    )
     source = build.add_mutually_exclusive_group(required=True)
     source.add_argument("--vllm-wheel", metavar="PATH", help="an upstream vLLM wheel file")
     source.add_argument(
-        "--vllm", metavar="VERSION", help="download this vLLM release (sha256 checked)"
+        "--vllm",
+        metavar="VERSION",
+        type=arguments.release,
+        help="download this vLLM release from the index (sha256 checked)",
     )
-    build.add_argument("--out", default="dist", help="output directory (default: dist)")
+    build.add_argument("--out", default="dist", help="output folder (default: dist)")
     build.add_argument(
         "--build-number",
-        type=int,
+        type=arguments.non_negative_int,
         default=None,
-        help="append .buildN to the version (+mlafixes.<plugin version>.buildN), for a "
-        "rebuild of the same vLLM and plugin versions (default: none)",
+        metavar="N",
+        help="append .buildN (N: 0 or more) to the version, for a rebuild of the same vLLM "
+        "and plugin versions (default: none)",
     )
     build.add_argument(
         "--index-url",
+        type=arguments.index_url,
         default="https://pypi.org/simple",
-        help="PEP 691 package index to download from",
+        help="PEP 691 package index to download from (default: https://pypi.org/simple)",
     )
-    build.set_defaults(func=cmd_build_wheel)
-    review = sub.add_parser(
+
+    review = _command(
+        sub,
         "review",
-        help="what a vLLM release's code means for each fix, read "
-        "from its wheel (not installed); exit 1 when something needs review",
+        cmd_review,
+        "what a vLLM release's code means for each fix, read from its wheel",
+        "For each fix: the release gate's decision, every reviewed definition's\n"
+        "fingerprint in the release (match, changed with a diff, missing), and the fix's\n"
+        "source screen on the release's code. The wheel is not installed.",
+        _exit_codes(
+            "0  nothing to review",
+            "1  something changed, or the release needs a review",
+            "2  bad arguments, or the review cannot run (no such release, network)",
+            "130, 143  interrupted by Ctrl-C or SIGTERM",
+        ),
     )
     release = review.add_mutually_exclusive_group(required=True)
-    release.add_argument("--vllm", metavar="VERSION", help="a release on the index, or 'latest'")
+    release.add_argument(
+        "--vllm",
+        metavar="VERSION",
+        type=arguments.release_or_latest,
+        help="a release on the index, or 'latest'",
+    )
     release.add_argument("--vllm-wheel", metavar="PATH", help="a vLLM wheel file (e.g. a nightly)")
     review.add_argument(
         "--against",
         metavar="VERSION",
+        type=arguments.release,
         help="compare with the fingerprints reviewed in this release only",
     )
     review.add_argument(
-        "--index-url", default="https://pypi.org/simple", help="PEP 691 package index"
+        "--index-url",
+        type=arguments.index_url,
+        default="https://pypi.org/simple",
+        help="PEP 691 package index (default: https://pypi.org/simple)",
     )
-    review.set_defaults(func=cmd_review)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _json_mode(argv: list[str]) -> bool:
+    """Whether the command line asks for JSON (a --json after -- belongs to the serve line)."""
+    before = argv[: argv.index("--")] if "--" in argv else argv
+    return "--json" in before
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = _json_mode(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        return _fail(exc.prog, str(exc), EXIT_USAGE, as_json)
+    prog = f"{PROG} {args.command}"
     try:
         return args.func(args)
+    except CommandError as exc:
+        return _fail(prog, str(exc), exc.exit_status, as_json)
+    except atomic.Interrupted as exc:
+        return _fail(prog, f"{exc}; nothing was left half-written", exc.exit_status, as_json)
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted by SIGINT", 130, as_json)
     except ModuleNotFoundError as exc:  # an optional package a command needs
-        print(
-            f"vllm-mla-fixes {args.command}: needs the Python package {exc.name!r}, which is not "
-            f"installed in this environment ({sys.executable})",
-            file=sys.stderr,
+        return _fail(
+            prog,
+            f"needs the Python package {exc.name!r}, which is not installed in this "
+            f"environment ({sys.executable})",
+            EXIT_FAILED,
+            as_json,
         )
     except OSError as exc:  # a path the user gave, a full disk, no network
-        print(f"vllm-mla-fixes {args.command}: {exc}", file=sys.stderr)
-    return 1
+        return _fail(prog, str(exc), EXIT_FAILED, as_json)
 
 
 if __name__ == "__main__":

@@ -129,8 +129,49 @@ def release_decision(info: FixInfo, version: str) -> FixStatus | None:
             "release reviewed for this fix, and the bug is open upstream",
         )
     if not info.admits(version):
-        return FixStatus(info.name, State.NOT_NEEDED, f"vLLM {version} is outside {info.affected}")
+        return FixStatus(
+            info.name,
+            State.NOT_NEEDED,
+            f"vLLM {version} is not in the releases this fix covers: {range_in_words(info.affected)}",
+        )
     return None
+
+
+def range_in_words(specifier: str) -> str:
+    """A release range as an operator reads it: ``>=0.32.0.dev0,<=0.34.0`` is
+    "0.32.0 to 0.34.0 (nightlies of 0.32.0 included)"; a specifier of any other
+    shape is returned as it is."""
+    bounds: dict[str, Version] = {}
+    for clause in SpecifierSet(specifier):
+        if clause.operator not in (">=", ">", "<=", "<") or clause.operator[0] in {
+            op[0] for op in bounds
+        }:
+            return specifier
+        try:
+            bounds[clause.operator] = Version(clause.version)
+        except InvalidVersion:
+            return specifier
+    lower = bounds.get(">=") or bounds.get(">")
+    upper = bounds.get("<=") or bounds.get("<")
+    if lower is None and upper is None:
+        return specifier
+    low = "" if lower is None else lower.base_version
+    high = "" if upper is None else upper.base_version
+    if ">=" in bounds and "<=" in bounds:
+        words = f"{low} to {high}"
+    elif ">=" in bounds and "<" in bounds:
+        words = f"{low} to {high}, {high} excluded"
+    elif lower is not None and upper is not None:
+        words = f"after {low}, {'up to' if '<=' in bounds else 'before'} {high}"
+    elif ">=" in bounds:
+        words = f"{low} or later"
+    elif ">" in bounds:
+        words = f"after {low}"
+    else:
+        words = f"{high} or earlier" if "<=" in bounds else f"before {high}"
+    if lower is not None and lower.is_devrelease and ">=" in bounds:
+        words += f" (nightlies of {low} included)"
+    return words
 
 
 def release_admitted(version: str, specifier: str) -> bool:

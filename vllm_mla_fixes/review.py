@@ -348,7 +348,7 @@ def run(
                 reviews = [review_fix(m, version, against) for m in ALL_FIXES]
             add_diffs(reviews, version, root, index_url, log)
     except ReviewError as exc:
-        print(f"review: error: {exc}", file=sys.stderr)
+        print(f"vllm-mla-fixes review: error: {exc}", file=sys.stderr)
         return EXIT_CANNOT_REVIEW
     for line in report(reviews, version, source.name, against):
         print_(line)

@@ -27,18 +27,19 @@ import importlib.util
 import inspect
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
-CACHE_DIR_ENV = "VLLM_MLA_FIXES_CACHE_DIR"
+from vllm_mla_fixes import atomic, settings
+
+CACHE_DIR_ENV = settings.CACHE_DIR.name
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured)
+    configured = settings.value(settings.CACHE_DIR)
+    if configured is not None:
+        return configured
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "vllm-mla-fixes" / "screens"
 
@@ -132,11 +133,5 @@ def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | No
 
 def _store(entry: Path, payload: dict) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f)
-        os.replace(temporary, entry)  # atomic: processes started together never see half a file
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    # whole or not at all: processes started together never see half a file
+    atomic.write_atomic(entry, json.dumps(payload))

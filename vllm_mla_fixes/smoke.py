@@ -11,11 +11,13 @@ library only, so it runs anywhere an operator has Python.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 PROMPTS = ("Hello", "What is 17*19?")
+DEFAULT_DEADLINE = 300.0  # seconds for the whole check
 REPLACEMENT = "\ufffd"
 REPLACEMENT_BYTES = REPLACEMENT.encode()  # b"\xef\xbf\xbd"
 
@@ -74,15 +76,37 @@ class SmokeResult:
         return "\n".join(lines)
 
 
+class BadAnswer(ValueError):
+    """The server answered, but not in the OpenAI wire format."""
+
+
+class DeadlinePassed(Exception):
+    """The overall deadline passed before or while a request ran."""
+
+
 class _Client:
-    def __init__(self, base: str, api_key: str | None, timeout: float):
+    def __init__(self, base: str, api_key: str | None, timeout: float, deadline: float):
         self.base = base.rstrip("/")
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = timeout
+        self.deadline = deadline
+        self.deadline_at = time.monotonic() + deadline
+        self.waited = timeout  # the socket timeout of the latest request
+        self.limit = "--timeout"  # which limit set it
+
+    def check_deadline(self) -> None:
+        if time.monotonic() >= self.deadline_at:
+            raise DeadlinePassed
 
     def request(self, path: str, body: dict | None = None):
+        left = self.deadline_at - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed
+        self.waited, self.limit = (
+            (self.timeout, "--timeout") if self.timeout <= left else (left, "--deadline")
+        )
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.base + path,
@@ -90,24 +114,55 @@ class _Client:
             headers=self.headers,
             method="GET" if body is None else "POST",
         )
-        return urllib.request.urlopen(req, timeout=self.timeout)
+        return urllib.request.urlopen(req, timeout=self.waited)
+
+    def describe(self, exc: Exception) -> str:
+        if isinstance(exc, urllib.error.HTTPError):
+            detail = exc.read().decode("utf-8", "replace")[:300]
+            return f"HTTP {exc.code}: {detail}"
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if isinstance(reason, TimeoutError):
+            return f"stalled: no answer within {self.waited:.3g} s ({self.limit})"
+        if isinstance(exc, DeadlinePassed):
+            return (
+                f"stalled: the overall deadline ({self.deadline:g} s, --deadline) passed "
+                "before the answer ended"
+            )
+        if isinstance(exc, urllib.error.URLError):
+            return f"cannot connect: {exc.reason}"
+        if isinstance(exc, BadAnswer):
+            return str(exc)
+        return f"{type(exc).__name__}: {exc}"
 
 
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, urllib.error.HTTPError):
-        detail = exc.read().decode("utf-8", "replace")[:300]
-        return f"HTTP {exc.code}: {detail}"
-    if isinstance(exc, urllib.error.URLError):
-        return f"cannot connect: {exc.reason}"
-    return f"{type(exc).__name__}: {exc}"
+def _json(raw: bytes, what: str):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise BadAnswer(f"{what} is not JSON: {raw[:80]!r}") from None
 
 
-def _text_of(choice: dict, kind: str, stream: bool) -> str:
+def _text_of(choice: object, kind: str, stream: bool) -> str:
+    if not isinstance(choice, dict):
+        raise BadAnswer(f"malformed answer: a choice is {choice!r:.60}, not an object")
     if kind == "completion":
-        return choice.get("text") or ""
-    part = choice.get("delta" if stream else "message") or {}
-    # A reasoning parser moves the thinking into reasoning_content: count it too.
-    return (part.get("reasoning_content") or "") + (part.get("content") or "")
+        parts = [choice.get("text")]
+    else:
+        part = choice.get("delta" if stream else "message") or {}
+        if not isinstance(part, dict):
+            raise BadAnswer(f"malformed answer: a choice's message is {part!r:.60}")
+        # A reasoning parser moves the thinking into reasoning_content: count it too.
+        parts = [part.get("reasoning_content"), part.get("content")]
+    if not all(p is None or isinstance(p, str) for p in parts):
+        raise BadAnswer(f"malformed answer: a choice's text is not a string: {choice!r:.80}")
+    return "".join(p or "" for p in parts)
+
+
+def _choices(payload: object) -> list:
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list):
+        raise BadAnswer(f"malformed answer: no list of choices in {payload!r:.80}")
+    return choices
 
 
 def _exchange(
@@ -121,12 +176,20 @@ def _exchange(
     else:
         body["prompt"] = prompt
         path = "/v1/completions"
+    try:
+        response = client.request(path, body)
+    except DeadlinePassed:
+        raise  # not started: the caller counts what was not run
+    except Exception as exc:
+        exchange.problem = client.describe(exc)
+        return exchange
     raw = b""
     try:
-        with client.request(path, body) as response:
+        with response:
             if stream:
                 parts = []
                 for line in response:
+                    client.check_deadline()  # a server that trickles bytes is stalling too
                     raw += line
                     line = line.strip()
                     if not line.startswith(b"data:"):
@@ -134,17 +197,19 @@ def _exchange(
                     payload = line[len(b"data:") :].strip()
                     if payload == b"[DONE]":
                         break
-                    event = json.loads(payload)
-                    if "error" in event:
-                        raise ValueError(f"error event: {event['error']}")
-                    parts += [_text_of(c, kind, True) for c in event.get("choices", [])]
+                    event = _json(payload, "a streamed event")
+                    if isinstance(event, dict) and "error" in event:
+                        raise BadAnswer(f"error event: {event['error']}")
+                    parts += [_text_of(c, kind, True) for c in _choices(event)]
+                else:  # vLLM ends every stream with this event
+                    raise BadAnswer(f"the stream ended without 'data: [DONE]': {raw[:80]!r}")
                 exchange.text = "".join(parts)
             else:
                 raw = response.read()
-                choices = json.loads(raw).get("choices") or []
+                choices = _choices(_json(raw, "the answer"))
                 exchange.text = "".join(_text_of(c, kind, False) for c in choices)
-    except Exception as exc:
-        exchange.problem = _describe(exc)
+    except Exception as exc:  # DeadlinePassed too: it stalled part-way
+        exchange.problem = client.describe(exc)
         return exchange
     if REPLACEMENT_BYTES in raw or REPLACEMENT in exchange.text:
         exchange.problem = "U+FFFD (bytes ef bf bd) in the output: the KV cache is being misread"
@@ -153,27 +218,40 @@ def _exchange(
     return exchange
 
 
+def _listed_models(payload: object) -> list[str]:
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        raise BadAnswer(f"malformed answer: no list of models ('data') in {payload!r:.80}")
+    for i, entry in enumerate(data):
+        if not (isinstance(entry, dict) and isinstance(entry.get("id"), str)):
+            raise BadAnswer(f"malformed answer: data[{i}] is {entry!r:.60}, not a model with an id")
+    return [entry["id"] for entry in data]
+
+
 def run(
     url: str,
     model: str | None = None,
     max_tokens: int = 32,
     api_key: str | None = None,
     timeout: float = 120.0,
+    deadline: float = DEFAULT_DEADLINE,
 ) -> SmokeResult:
-    client = _Client(url, api_key, timeout)
+    """Every check, within ``timeout`` seconds per request and ``deadline``
+    seconds in all: requests the deadline leaves no time for are not run."""
+    client = _Client(url, api_key, timeout, deadline)
     result = SmokeResult(client.base)
     try:
         with client.request("/health") as response:
             if response.status != 200:
                 result.problems.append(f"/health answered {response.status}, not 200")
     except Exception as exc:
-        result.problems.append(f"/health: {_describe(exc)}")
+        result.problems.append(f"/health: {client.describe(exc)}")
         return result
     try:
         with client.request("/v1/models") as response:
-            listed = [m.get("id") for m in json.loads(response.read()).get("data", [])]
+            listed = _listed_models(_json(response.read(), "the answer"))
     except Exception as exc:
-        result.problems.append(f"/v1/models: {_describe(exc)}")
+        result.problems.append(f"/v1/models: {client.describe(exc)}")
         return result
     if model is None:
         if not listed:
@@ -184,8 +262,20 @@ def run(
         result.problems.append(f"model {model!r} is not listed by /v1/models ({listed})")
         return result
     result.model = model
-    for prompt in PROMPTS:
-        for kind in ("chat", "completion"):
-            for stream in (False, True):
-                result.exchanges.append(_exchange(client, model, kind, prompt, stream, max_tokens))
+    planned = [
+        (kind, prompt, stream)
+        for prompt in PROMPTS
+        for kind in ("chat", "completion")
+        for stream in (False, True)
+    ]
+    for done, (kind, prompt, stream) in enumerate(planned):
+        try:
+            result.exchanges.append(_exchange(client, model, kind, prompt, stream, max_tokens))
+        except DeadlinePassed:
+            label = Exchange(kind, prompt, stream).label
+            result.problems.append(
+                f"the overall deadline ({deadline:g} s, --deadline) passed: "
+                f"{len(planned) - done} of {len(planned)} requests not run, from {label} on"
+            )
+            break
     return result

@@ -10,6 +10,11 @@ package index and checked against the index's published sha256) and writes
 * ``METADATA`` carrying the new version, and a ``RECORD`` (PEP 376/427:
   urlsafe-base64 sha256 and size) computed from the bytes actually stored.
 
+The wheel is written under a temporary name in the output folder, checked
+(it opens as a zip, every file matches its RECORD row, the METADATA version is
+the file name's) and only then moved to its final name: an interrupted or
+failed build leaves the folder as it was (:mod:`vllm_mla_fixes.atomic`).
+
 It needs only the standard library and ``packaging`` (a dependency of this
 package), so it runs in any environment that has vllm-mla-fixes.
 """
@@ -21,19 +26,21 @@ import csv
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
+import sys
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from packaging.tags import sys_tags
-from packaging.utils import parse_wheel_filename
-from packaging.version import Version
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
 
 import vllm_mla_fixes
+from vllm_mla_fixes import atomic
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 CACHE = Path.home() / ".cache" / "vllm-mla-fixes" / "wheels"
@@ -52,8 +59,10 @@ class WheelBuildError(RuntimeError):
 def _index_files(index_url: str, project: str = "vllm") -> list[dict]:
     """The project's files on a PEP 691 (JSON simple API) index."""
     url = f"{index_url.rstrip('/')}/{project}/"
-    request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
+        request = urllib.request.Request(
+            url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             page = json.load(response)
     except (OSError, ValueError) as exc:
@@ -61,18 +70,28 @@ def _index_files(index_url: str, project: str = "vllm") -> list[dict]:
             f"cannot read the package index at {url}: {exc}. Download the "
             f"wheel yourself and pass --vllm-wheel PATH."
         ) from exc
-    return page.get("files", [])
+    files = page.get("files") if isinstance(page, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise WheelBuildError(f"{url} is not a PEP 691 project page (no list of files)")
+    return files
 
 
 def _pick_wheel(files: list[dict], release: str) -> dict:
     """The index's wheel of ``release`` that this machine would install."""
+    try:
+        wanted = Version(release)
+    except InvalidVersion:
+        raise WheelBuildError(f"{release!r} is not a release number (e.g. 0.25.1)") from None
     candidates = {}
     for entry in files:
         name = entry.get("filename", "")
-        if not name.endswith(".whl"):
+        if not isinstance(name, str) or not name.endswith(".whl"):
             continue
-        _, ver, _, tags = parse_wheel_filename(name)
-        if ver == Version(release):
+        try:
+            _, ver, _, tags = parse_wheel_filename(name)
+        except InvalidWheelFilename:
+            continue  # not ours to judge; it is simply not a candidate
+        if ver == wanted:
             for tag in tags:
                 candidates[tag] = entry
     for tag in sys_tags():
@@ -106,19 +125,17 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
     target = cache / entry["filename"]
     if not (target.exists() and _sha256(target) == expected):
         url = urllib.parse.urljoin(f"{index_url.rstrip('/')}/vllm/", entry["url"])
-        # One partial file per process: two builds downloading at once must not
-        # write into the same file.
-        partial = target.with_name(f"{target.name}.{os.getpid()}.part")
-        with urllib.request.urlopen(url, timeout=600) as response, open(partial, "wb") as out:
-            shutil.copyfileobj(response, out, 1 << 20)
-        found = _sha256(partial)
-        if found != expected:
-            partial.unlink()
-            raise WheelBuildError(
-                f"sha256 mismatch for {entry['filename']}: the index publishes "
-                f"{expected}, the download is {found}. Refusing to build from it."
-            )
-        partial.replace(target)
+        # One temporary file per process (two builds downloading at once must not
+        # write into the same file), in the cache under its final name only once checked.
+        with atomic.replacing(target) as partial:
+            with urllib.request.urlopen(url, timeout=600) as response, open(partial, "wb") as out:
+                shutil.copyfileobj(response, out, 1 << 20)
+            found = _sha256(partial)
+            if found != expected:
+                raise WheelBuildError(
+                    f"sha256 mismatch for {entry['filename']}: the index publishes "
+                    f"{expected}, the download is {found}. Refusing to build from it."
+                )
     return target
 
 
@@ -192,28 +209,59 @@ def _record_row(arcname: str, data: bytes) -> tuple[str, str, str]:
     return arcname, f"sha256={digest}", str(len(data))
 
 
-def build(upstream_wheel: Path, out_dir: Path, build_number: int | None = None) -> Path:
-    """Write the patched wheel into ``out_dir`` and return its path."""
+def upstream_version(upstream_wheel: Path) -> Version:
+    """The vLLM version of an upstream wheel, from its file name."""
     try:
-        name, upstream_version, _, _ = parse_wheel_filename(upstream_wheel.name)
-    except ValueError as exc:  # packaging's InvalidWheelFilename
+        name, version, _, _ = parse_wheel_filename(upstream_wheel.name)
+    except InvalidWheelFilename as exc:
         raise WheelBuildError(f"{upstream_wheel.name} is not a wheel file name: {exc}") from exc
     if name != "vllm":
         raise WheelBuildError(f"{upstream_wheel.name} is not a vLLM wheel")
-    if "mlafixes" in str(upstream_version):
+    if "mlafixes" in str(version):
         raise WheelBuildError(
             f"{upstream_wheel.name} is already patched; start from upstream's wheel"
         )
-    new_version = _patched_version(upstream_version, build_number)
+    return version
+
+
+def build(upstream_wheel: Path, out_dir: Path, build_number: int | None = None) -> Path:
+    """Write the patched wheel into ``out_dir`` and return its path.  Any
+    failure or interruption leaves ``out_dir`` as it was: no file under the
+    final name, an earlier wheel of that name intact, no folder created."""
+    if build_number is not None and build_number < 0:
+        raise WheelBuildError(f"the build number must be 0 or more, not {build_number}")
+    version = upstream_version(upstream_wheel)
+    new_version = _patched_version(version, build_number)
     tags = upstream_wheel.name[: -len(".whl")].split("-", 2)[2]
-    out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"vllm-{new_version}-{tags}.whl"
-    try:
-        _write_patched(upstream_wheel, target, upstream_version, new_version)
-    except BaseException:
-        target.unlink(missing_ok=True)  # never leave half a wheel behind
-        raise
+    with atomic.folder(out_dir), atomic.replacing(target) as partial:
+        _write_patched(upstream_wheel, partial, version, new_version)
+        check_wheel(partial, new_version)
     return target
+
+
+def check_wheel(path: Path, version: str) -> None:
+    """Raise WheelBuildError unless ``path`` is a whole wheel: it opens as a zip,
+    RECORD lists every file with the sha256 and size of its stored bytes, and
+    METADATA carries ``version``."""
+    info = f"vllm-{version}.dist-info/"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            rows = list(csv.reader(io.StringIO(archive.read(info + "RECORD").decode())))
+            recorded = {row[0]: row[1:] for row in rows if row}
+            for name in archive.namelist():
+                if name == info + "RECORD":
+                    continue
+                if name not in recorded:
+                    raise WheelBuildError(f"{path.name}: {name} is missing from RECORD")
+                _, digest, size = _record_row(name, archive.read(name))
+                if recorded[name] != [digest, size]:
+                    raise WheelBuildError(f"{path.name}: {name} does not match its RECORD row")
+            metadata = archive.read(info + "METADATA").decode()
+    except (zipfile.BadZipFile, KeyError, zipfile.LargeZipFile) as exc:
+        raise WheelBuildError(f"{path.name} is not a whole wheel: {exc}") from exc
+    if f"\nVersion: {version}\n" not in metadata:
+        raise WheelBuildError(f"{path.name}: METADATA does not carry version {version}")
 
 
 def _write_patched(
@@ -272,21 +320,23 @@ def run(
     out_dir: str,
     build_number: int | None,
     index_url: str,
-    print_=print,
+    print_: Callable[[str], None] = print,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> int:
+    """The command: 0 built, 1 the build failed (the reason is logged)."""
     try:
         if vllm_wheel:
             source = Path(vllm_wheel)
             if not source.is_file():
                 raise WheelBuildError(f"no such wheel: {source}")
         elif vllm_release:
-            print_(f"downloading vLLM {vllm_release} from {index_url} (sha256 checked)")
+            log(f"downloading vLLM {vllm_release} from {index_url} (sha256 checked)")
             source = download_verified(vllm_release, index_url)
         else:
             raise WheelBuildError("give --vllm-wheel PATH or --vllm VERSION")
         target = build(source, Path(out_dir), build_number)
     except WheelBuildError as exc:
-        print_(f"build-wheel: {exc}")
+        log(f"vllm-mla-fixes build-wheel: error: {exc}")
         return 1
     print_(f"upstream {source.name}: {source.stat().st_size / 2**20:.1f} MiB")
     print_(f"patched  {target}: {target.stat().st_size / 2**20:.1f} MiB")

@@ -7,11 +7,17 @@ for ``"stream": true``.
 
 MODE: ``good`` (text replies), ``fffd`` (every token U+FFFD, as a misread KV
 cache decodes), ``empty`` (no text), ``error`` (HTTP 500 on generation),
-``unhealthy`` (/health answers 503).
+``unhealthy`` (/health answers 503); and answers a client must survive:
+``stall`` (generation requests never answer), ``stall-health`` (/health never
+answers), ``trickle`` (streamed answers never end: one event every 0.2 s),
+``models-not-json`` and ``models-null`` (/v1/models answers ``not json`` or
+``{"data": [null]}``), ``answers-not-json`` and ``choices-null`` (generation
+answers ``not json`` or ``{"choices": [null]}``).
 """
 
 import json
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
@@ -37,14 +43,19 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def stall(self) -> None:
+        time.sleep(3600)  # the test kills the server long before
+
     def do_GET(self):
         if self.path == "/health":
+            if MODE == "stall-health":
+                return self.stall()
             self.send(503 if MODE == "unhealthy" else 200, b"")
         elif self.path == "/v1/models":
-            self.send(
-                200,
-                json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode(),
-            )
+            if MODE == "models-not-json":
+                return self.send(200, b"not json")
+            listed = [None] if MODE == "models-null" else [{"id": MODEL, "object": "model"}]
+            self.send(200, json.dumps({"object": "list", "data": listed}).encode())
         else:
             self.send(404, b'{"error": "not found"}')
 
@@ -55,6 +66,12 @@ class Handler(BaseHTTPRequestHandler):
             return self.send(404, b'{"error": "not found"}')
         if MODE == "error":
             return self.send(500, b'{"error": {"message": "EngineCore died"}}')
+        if MODE == "stall":
+            return self.stall()
+        if MODE == "answers-not-json":
+            return self.send(200, b"not json")
+        if MODE == "choices-null":
+            return self.send(200, b'{"choices": [null]}')
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         text = reply(prompt)
         if not body.get("stream"):
@@ -74,6 +91,17 @@ class Handler(BaseHTTPRequestHandler):
             events.append(
                 b"data: " + json.dumps({"choices": [choice]}, ensure_ascii=False).encode() + b"\n\n"
             )
+        if MODE == "trickle":  # a stream that never ends: one event every 0.2 s
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(events[0])
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:  # the client gave up
+                return
         events.append(b"data: [DONE]\n\n")
         self.send(200, b"".join(events), "text/event-stream")
 

@@ -403,7 +403,10 @@ def for_status(compute: bool) -> dict[str, Any]:
     )
     if done.returncode != 0:
         tail = [line for line in done.stderr.splitlines() if line.strip()][-1:]
-        return {"cells": None, "source": f"could not derive it: {' '.join(tail) or done.returncode}"}
+        return {
+            "cells": None,
+            "source": f"could not derive it: {' '.join(tail) or done.returncode}",
+        }
     from vllm_mla_fixes.atomic import write_atomic
 
     cache.parent.mkdir(parents=True, exist_ok=True)

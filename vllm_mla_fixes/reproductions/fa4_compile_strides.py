@@ -48,6 +48,9 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from vllm_mla_fixes import atomic
 
 NUM_HEADS = 8  # Kimi-K2.5 per rank at TP8
 QK_HEAD_DIM = 192  # nope 128 + rope 64
@@ -820,15 +823,13 @@ def main(argv: Iterable[str] | None = None) -> int:
         text = json.dumps(result, indent=1, default=str)
         print(text)
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text)
+            atomic.write_atomic(Path(args.json), text)
         return 0
     result = scenario(
         reproduce=not args.no_reproduce, sweep=args.sweep, log=lambda line: print(line, flush=True)
     )
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=str)
+        atomic.write_atomic(Path(args.json), json.dumps(result, indent=1, default=str))
     ok = summarize(result, lambda line: print(line, flush=True)) if not args.no_reproduce else True
     return 0 if ok else 1
 

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
     split_unreviewed,
@@ -275,12 +276,11 @@ def _ratio1_pair_unit(vllm_config: Any) -> tuple[int, str | None]:
 
 
 def _decide(vllm_config: Any) -> Decision:
-    forced = os.environ.get(GEOMETRY_ENV, "").strip().lower()
-    if forced == PER_RATIO:
+    # interleaved-split, an invalid value (warned about at plugin load) and none
+    # all leave the choice to the checks below
+    if settings.value(settings.DSV41_GEOMETRY) == PER_RATIO:
         return Decision(PER_RATIO, f"{GEOMETRY_ENV}=per-ratio")
-    if forced not in ("", SPLIT):
-        return Decision(PER_RATIO, f"{GEOMETRY_ENV}={forced!r} is not '{PER_RATIO}' or '{SPLIT}'")
-    if not forced:
+    if settings.value(settings.DSV41_GEOMETRY) != SPLIT:  # not forced either way
         aside = upstream_steps_aside_reason(vllm_config)
         if aside:
             return Decision(UPSTREAM, aside)
@@ -402,7 +402,7 @@ def flashinfer_takes_runtime_swa_pages() -> bool:
 
 def drafter_swa_rows() -> tuple[int, str]:
     """Rows of a drafter's sliding-window pages, and why."""
-    if os.environ.get(DRAFTER_SWA_ENV, "").strip() == str(PAGE_ROWS):
+    if settings.value(settings.DSV41_DRAFTER_SWA_ROWS) == PAGE_ROWS:
         return PAGE_ROWS, f"{DRAFTER_SWA_ENV}={PAGE_ROWS}"
     if flashinfer_takes_runtime_swa_pages():
         return DRAFTER_SWA_ROWS, (

@@ -5,7 +5,7 @@ how, when to remove) is the package docstring."""
 
 from __future__ import annotations
 
-from vllm_mla_fixes import patching
+from vllm_mla_fixes import patching, settings
 from vllm_mla_fixes.patching import FixInfo
 
 INFO = FixInfo(
@@ -67,9 +67,10 @@ eighth.  At 128 tokens they share one group of half the cost, and the split
 holds more tokens than upstream with DSpark too."""
 
 
-DRAFTER_SWA_ENV = "VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS"
+DRAFTER_SWA_ENV = settings.DSV41_DRAFTER_SWA_ROWS.name
 """Set to 64 to keep drafter sliding-window pages at 64 rows (should a
-FlashInfer build refuse 128-row pages that its envelope lists)."""
+FlashInfer build refuse 128-row pages that its envelope lists); read through
+:mod:`vllm_mla_fixes.settings`, like every setting."""
 
 
 UPSTREAM_SWA_BLOCK = 32
@@ -87,16 +88,15 @@ V4_RECORD_BYTES = 584  # the fp8_ds_mla V4 record SM120 uses (the split was prov
 FP8_INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
 
 
-SPLIT = "interleaved-split"
+SPLIT, PER_RATIO = settings.GEOMETRIES  # the names the operator's setting takes
 
 
-PER_RATIO = "per-ratio"
 UPSTREAM = "upstream"
 """The fix steps aside: upstream's own layout for the line is within the installed
 kernels' envelopes (see :mod:`.upstream`)."""
 
 
-GEOMETRY_ENV = "VLLM_MLA_FIXES_DSV41_GEOMETRY"
+GEOMETRY_ENV = settings.DSV41_GEOMETRY.name
 
 
 ATTENTION_MODULE = "vllm.models.deepseek_v41.attention"

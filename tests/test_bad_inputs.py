@@ -1,0 +1,530 @@
+"""Every command against the bad inputs a careful operator tries (issue 29).
+
+Each case runs the command as a process and asserts its exit status (2 for
+bad arguments, 1 for a failure), exactly one error line on stderr that names
+the cause, no traceback anywhere, and in a JSON mode one JSON document on
+stdout, the error included.  ``build-wheel`` is also stopped by SIGTERM and
+SIGINT at several points of a real build: the output folder must stay exactly
+as it was.
+
+Only the status and build-wheel cases need vLLM or its wheel; all run in the
+0.25.1 session (the cheapest), once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import vllm_mla_fixes
+from vllm_mla_fixes import wheel
+
+pytestmark = pytest.mark.vllm_release("0.25.1")
+STUB = Path(__file__).resolve().parent / "servers" / "openai_stub.py"
+COMMANDS = ("status", "verify", "doctor", "selftest", "smoke", "build-wheel", "review")
+GEOMETRY = "VLLM_MLA_FIXES_DSV41_GEOMETRY"
+DRAFTER = "VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS"
+CACHE_DIR = "VLLM_MLA_FIXES_CACHE_DIR"
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_MLA_FIXES") and k not in ("VLLM_PLUGINS", "VLLM_LOGGING_STREAM")
+    }
+    env.update(CUDA_VISIBLE_DEVICES="", **(extra or {}))
+    return env
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_mla_fixes", *args],
+        cwd=cwd,
+        env=_env(env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def assert_one_error(proc: subprocess.CompletedProcess, status: int, says: str) -> None:
+    """Exit status, one error line on stderr naming the cause, no traceback,
+    and the same error as the JSON document where --json was asked for."""
+    output = proc.stdout + proc.stderr
+    assert "Traceback" not in output, output[-3000:]
+    assert proc.returncode == status, output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("vllm-mla-fixes") and says in errors[0], errors[0]
+    own_args = proc.args[: proc.args.index("--")] if "--" in proc.args else proc.args
+    if "--json" in own_args:
+        document = json.loads(proc.stdout)
+        assert document["exit_status"] == status and says in document["error"], document
+    else:
+        assert proc.stdout == "", proc.stdout
+
+
+# -- the files and servers the cases name --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def upstream_wheel() -> Path:
+    """vLLM 0.25.1's wheel from PyPI, sha256 checked, cached outside the checkout."""
+    return wheel.download_verified("0.25.1")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """Paths the cases refer to as {name}."""
+    root = tmp_path_factory.mktemp("inputs")
+    garbage = root / "vllm-0.25.1-py3-none-any.whl"
+    garbage.write_bytes(b"a truncated download, not a zip")
+    patched = root / f"vllm-0.25.1+mlafixes.{vllm_mla_fixes.__version__}-py3-none-any.whl"
+    patched.write_bytes(b"")
+    other = root / "torch-2.11.0-py3-none-any.whl"
+    other.write_bytes(b"")
+    text = root / "notes.txt"
+    text.write_text("not a wheel\n")
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    return {
+        "root": str(root),
+        "garbage": str(garbage),
+        "patched": str(patched),
+        "other": str(other),
+        "text": str(text),
+        "closed": f"http://127.0.0.1:{closed}",
+    }
+
+
+@pytest.fixture
+def stub_server():
+    started = []
+
+    def start(mode: str) -> str:
+        proc = subprocess.Popen(
+            [sys.executable, str(STUB), mode], stdout=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        return f"http://127.0.0.1:{int(proc.stdout.readline())}"
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# -- arguments and files: no vLLM needed ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    argv: tuple[str, ...]
+    status: int
+    says: str
+
+    def __str__(self) -> str:
+        return " ".join(self.argv) or "(nothing)"
+
+
+def case(argv: str, status: int, says: str) -> Case:
+    return Case(tuple(argv.split(" ")) if argv else (), status, says)
+
+
+ARGUMENT_CASES = [
+    # the program itself
+    case("", 2, "the following arguments are required: COMMAND"),
+    case("bogus", 2, "invalid choice: 'bogus'"),
+    case("--json", 2, "the following arguments are required: COMMAND"),
+    case("--verbose status", 2, "unrecognized arguments: --verbose"),
+    # status
+    case("status --bogus", 2, "unrecognized arguments: --bogus"),
+    case("status --json extra", 2, "unrecognized arguments: extra"),
+    # verify
+    case("verify --bogus", 2, "unrecognized arguments: --bogus"),
+    case("verify 0.25.1", 2, "unrecognized arguments: 0.25.1"),
+    # doctor (its serve-line checks are doctor's own tests)
+    case("doctor --bogus", 2, "unrecognized arguments: --bogus"),
+    case("doctor --json --bogus", 2, "unrecognized arguments: --bogus"),
+    case("doctor -- vllm serve", 2, "the serve line names no model"),
+    case("doctor --json -- vllm serve", 2, "the serve line names no model"),
+    # selftest
+    case("selftest --jobs 0", 2, "argument --jobs: 0 is not positive (allowed: 1 or more)"),
+    case("selftest --jobs -1", 2, "argument --jobs: -1 is not positive"),
+    case("selftest --jobs many", 2, "argument --jobs: 'many' is not a whole number"),
+    case("selftest --json --jobs 0", 2, "argument --jobs: 0 is not positive"),
+    case("selftest --geometry bogus", 2, "argument --geometry: invalid choice: 'bogus'"),
+    case("selftest --report", 2, "argument --report: expected one argument"),
+    case(
+        "selftest --json --report /no/such/folder/selftest.json",
+        2,
+        "--report /no/such/folder/selftest.json: its folder does not exist",
+    ),
+    case("selftest --bogus", 2, "unrecognized arguments: --bogus"),
+    # smoke
+    case("smoke", 2, "the following arguments are required: url"),
+    case("smoke http://127.0.0.1:99999", 2, "'http://127.0.0.1:99999' has an invalid port"),
+    case("smoke http://127.0.0.1:0", 2, "'http://127.0.0.1:0' has an invalid port"),
+    case("smoke http://127.0.0.1:http", 2, "has an invalid port (allowed: 1 to 65535)"),
+    case("smoke --json http://127.0.0.1:99999", 2, "has an invalid port"),
+    case("smoke localhost:8000", 2, "'localhost:8000' is not an http:// or https:// URL"),
+    case("smoke ftp://localhost/", 2, "'ftp://localhost/' is not an http:// or https:// URL"),
+    case("smoke http://", 2, "'http://' names no host"),
+    case("smoke {closed} --timeout -1", 2, "argument --timeout: -1 is not a positive"),
+    case("smoke {closed} --timeout 0", 2, "argument --timeout: 0 is not a positive"),
+    case("smoke {closed} --timeout soon", 2, "argument --timeout: 'soon' is not a number"),
+    case("smoke {closed} --timeout nan", 2, "argument --timeout: nan is not a positive, finite"),
+    case("smoke {closed} --timeout inf", 2, "argument --timeout: inf is not a positive, finite"),
+    case("smoke --json {closed} --timeout -1", 2, "argument --timeout: -1 is not a positive"),
+    case("smoke {closed} --deadline 0", 2, "argument --deadline: 0 is not a positive"),
+    case("smoke {closed} --max-tokens 0", 2, "argument --max-tokens: 0 is not positive"),
+    # build-wheel: every argument checked before any download
+    case("build-wheel", 2, "one of the arguments --vllm-wheel --vllm is required"),
+    case("build-wheel --vllm latest", 2, "argument --vllm: 'latest' is not a release number"),
+    case("build-wheel --vllm abc", 2, "argument --vllm: 'abc' is not a release number"),
+    case("build-wheel --vllm 0.25.1 --vllm-wheel {garbage}", 2, "not allowed with argument"),
+    case(
+        "build-wheel --vllm 0.25.1 --index-url not-a-url",
+        2,
+        "argument --index-url: 'not-a-url' is not an http://, https:// or file:// URL",
+    ),
+    case("build-wheel --vllm 0.25.1 --index-url ftp://pypi.org/simple", 2, "is not an http://"),
+    case("build-wheel --vllm 0.25.1 --index-url https:///simple", 2, "names no host"),
+    case(
+        "build-wheel --vllm 0.25.1 --index-url http://127.0.0.1:99999/simple",
+        2,
+        "has an invalid port",
+    ),
+    case(
+        "build-wheel --vllm 0.25.1 --build-number -3",
+        2,
+        "argument --build-number: -3 is negative (allowed: 0 or more)",
+    ),
+    case("build-wheel --vllm 0.25.1 --build-number two", 2, "'two' is not a whole number"),
+    case("build-wheel --vllm 0.25.1 --build-number 1.5", 2, "'1.5' is not a whole number"),
+    case(
+        "build-wheel --vllm-wheel /no/such/vllm.whl", 2, "--vllm-wheel /no/such/vllm.whl: no such"
+    ),
+    case("build-wheel --vllm-wheel {text}", 2, "notes.txt is not a wheel file name"),
+    case(
+        "build-wheel --vllm-wheel {other}", 2, "torch-2.11.0-py3-none-any.whl is not a vLLM wheel"
+    ),
+    case("build-wheel --vllm-wheel {patched}", 2, "is already patched; start from upstream's"),
+    case("build-wheel --vllm-wheel {garbage} --out {text}", 2, "exists and is not a folder"),
+    case(
+        "build-wheel --vllm-wheel {garbage} --out {root}/new/dist",
+        1,
+        "is not a valid wheel (zip) file",
+    ),
+    case(
+        "build-wheel --vllm 0.25.1 --index-url {closed}/simple",
+        1,
+        "cannot read the package index at http://127.0.0.1:",
+    ),
+    case(
+        "build-wheel --vllm 0.25.1 --index-url file:///no/such/index",
+        1,
+        "cannot read the package index at file:///no/such/index/vllm/",
+    ),
+    # review
+    case("review", 2, "one of the arguments --vllm --vllm-wheel is required"),
+    case("review --vllm abc", 2, "argument --vllm: 'abc' is not a release number (e.g. 0.34.0)"),
+    case("review --vllm 0.34.0 --against newest", 2, "argument --against: 'newest' is not"),
+    case("review --vllm latest --index-url not-a-url", 2, "argument --index-url: 'not-a-url'"),
+    case("review --vllm latest --index-url http://h:0/simple", 2, "has an invalid port"),
+    case("review --vllm-wheel /no/such/vllm.whl", 2, "no such wheel: /no/such/vllm.whl"),
+    case("review --vllm-wheel {garbage}", 2, "cannot read"),
+    case(
+        "review --vllm 0.34.0 --index-url {closed}/simple",
+        2,
+        "cannot read the package index at http://127.0.0.1:",
+    ),
+]
+
+
+@pytest.mark.parametrize("bad", ARGUMENT_CASES, ids=str)
+def test_bad_argument(bad: Case, files, tmp_path):
+    argv = [arg.format(**files) for arg in bad.argv]
+    proc = cli(*argv, cwd=tmp_path)
+    assert_one_error(proc, bad.status, bad.says.format(**files))
+    if "{root}/new/dist" in bad.argv:  # a failed build leaves no folder it created
+        assert not Path(files["root"], "new").exists()
+    assert not list(tmp_path.iterdir())  # nothing written where it ran
+
+
+# -- smoke against servers that misbehave ---------------------------------------------------
+
+SERVER_CASES = [
+    # (stub mode, extra arguments, what the report must say, at most seconds)
+    (
+        "stall",
+        ("--timeout", "1", "--deadline", "3"),
+        "stalled: no answer within 1 s (--timeout)",
+        8,
+    ),
+    ("stall", ("--timeout", "1", "--deadline", "3"), "the overall deadline (3 s, --deadline)", 8),
+    ("trickle", ("--timeout", "1", "--deadline", "3"), "passed before the answer ended", 8),
+    (
+        "stall-health",
+        (
+            "--timeout",
+            "1",
+        ),
+        "/health: stalled: no answer within 1 s",
+        8,
+    ),
+    ("models-not-json", (), "/v1/models: the answer is not JSON: b'not json'", 8),
+    ("models-null", (), "/v1/models: malformed answer: data[0] is None", 8),
+    ("answers-not-json", (), "the answer is not JSON: b'not json'", 8),
+    ("answers-not-json", (), "the stream ended without 'data: [DONE]'", 8),
+    ("choices-null", (), "malformed answer: a choice is None, not an object", 8),
+]
+
+
+@pytest.mark.parametrize(("mode", "extra", "says", "seconds"), SERVER_CASES)
+def test_smoke_names_what_the_server_did_wrong(stub_server, tmp_path, mode, extra, says, seconds):
+    url = stub_server(mode)
+    started = time.monotonic()
+    proc = cli("smoke", url, *extra, "--json", cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    report = json.loads(proc.stdout)
+    assert not report["ok"] and says in json.dumps(report), report
+    assert elapsed < seconds + 5  # start-up included; bounded by --deadline, not 8 x --timeout
+
+
+def test_smoke_where_nothing_listens_says_so_in_both_modes(files, tmp_path):
+    proc = cli("smoke", files["closed"], cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert "FAIL /health: cannot connect: [Errno 111] Connection refused" in proc.stdout
+    assert proc.stdout.rstrip().endswith("verdict: FAIL")
+
+
+# -- settings: status, and the plugin as it loads -----------------------------------------
+
+# Each run sets several invalid variables at once (each status run loads vLLM);
+# every case asserts on its own variable.
+STATUS_RUNS = {
+    "human-1": {"VLLM_MLA_FIXES": "all,bogus", GEOMETRY: "garbage", DRAFTER: "7"},
+    "json-1": {"VLLM_MLA_FIXES": ",", DRAFTER: "-1", CACHE_DIR: "relative/screens"},
+    "human-2": {"VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape", DRAFTER: "abc", GEOMETRY: "split"},
+}
+SETTING_CASES = [
+    # (run, variable, what its one warning must say besides its name, value and allowed values)
+    ("human-1", "VLLM_MLA_FIXES", "'all' must stand alone; unknown fix name 'bogus'"),
+    ("human-1", GEOMETRY, "not a geometry name"),
+    ("human-1", DRAFTER, "only 64 changes anything"),
+    ("json-1", "VLLM_MLA_FIXES", "it names no fix"),
+    ("json-1", DRAFTER, "only 64 changes anything"),
+    ("json-1", CACHE_DIR, "a relative path would differ between vLLM's processes"),
+    ("human-2", "VLLM_MLA_FIXES", "'none' must stand alone"),
+    ("human-2", DRAFTER, "only 64 changes anything"),
+    ("human-2", GEOMETRY, "not a geometry name"),
+]
+
+
+@pytest.fixture(scope="module")
+def status_run(tmp_path_factory):
+    @functools.cache
+    def run(name: str) -> subprocess.CompletedProcess:
+        args = ["status", "--json"] if name.startswith("json") else ["status"]
+        return cli(*args, cwd=tmp_path_factory.mktemp(name), env=STATUS_RUNS[name])
+
+    return run
+
+
+@pytest.mark.parametrize(("run", "variable", "problem"), SETTING_CASES)
+def test_invalid_setting_warns_once_and_status_flags_it(status_run, run, variable, problem):
+    from vllm_mla_fixes import settings
+
+    value = STATUS_RUNS[run][variable]
+    proc = status_run(run)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    allowed = next(s for s in settings.SETTINGS if s.name == variable).allowed
+    # the plugin, as vLLM loads it: one warning naming the variable, its value and what is allowed
+    warnings = [line for line in proc.stderr.splitlines() if f"{variable}=" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert f"{variable}={value!r} is not allowed ({problem}); allowed: {allowed}" in warnings[0]
+    assert "WARNING" in warnings[0] and "ignored, so the default applies" in warnings[0]
+    if run.startswith("json"):
+        document = json.loads(proc.stdout)
+        assert document["exit_status"] == 2
+        (entry,) = [s for s in document["settings"] if s["name"] == variable]
+        assert entry == {
+            "name": variable,
+            "value": value,
+            "known": True,
+            "valid": False,
+            "problem": problem,
+            "allowed": allowed,
+            "default": entry["default"],
+        }
+    else:
+        flagged = [line for line in proc.stdout.splitlines() if f"{variable}=" in line]
+        assert flagged == [f"  [WARN] {warnings[0].split('vllm-mla-fixes: ', 1)[1]}"]
+
+
+def test_invalid_selection_is_treated_as_unset(status_run):
+    """VLLM_MLA_FIXES=all,bogus and =, select every fix (the default), =none,... too."""
+    for run in ("human-1", "human-2"):
+        assert "disabled" not in status_run(run).stdout
+    document = json.loads(status_run("json-1").stdout)
+    assert not [f for f in document["fixes"] if f["state"] == "disabled"]
+
+
+def test_vllm_plugins_without_this_plugin_is_named_as_the_cause(tmp_path):
+    proc = cli("status", "--json", cwd=tmp_path, env={"VLLM_PLUGINS": "someother"})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    document = json.loads(proc.stdout)
+    for fix in document["fixes"]:
+        assert fix["state"] == "skipped"
+        assert fix["reason"].startswith(
+            "not loaded: VLLM_PLUGINS='someother' does not name mla_fixes"
+        ), fix
+
+
+# -- help and version ---------------------------------------------------------------------
+
+
+def test_version(tmp_path):
+    proc = cli("--version", cwd=tmp_path)
+    assert (proc.returncode, proc.stdout) == (0, f"vllm-mla-fixes {vllm_mla_fixes.__version__}\n")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_says_what_the_command_does_and_its_exit_codes(tmp_path, command):
+    proc = cli(command, "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert "`" not in proc.stdout  # plain text, not reStructuredText
+    assert proc.stdout.startswith(f"usage: vllm-mla-fixes {command} ")
+    exit_codes = proc.stdout[proc.stdout.index("exit status") :]
+    for status in ("0", "1", "2"):
+        assert re.search(rf"(^|\s){status}(\s|$)", exit_codes), (status, exit_codes)
+
+
+# -- build-wheel stopped part-way ---------------------------------------------------------
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``folder``: inode, size, mtime.  (The folder's own
+    mtime moves whenever a file is created in it, the temporary one too.)"""
+    return {
+        str(path.relative_to(folder)): (
+            path.stat().st_ino,
+            path.stat().st_size,
+            path.stat().st_mtime_ns,
+        )
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+def _temporary(folder: Path) -> Path | None:
+    return next(iter(folder.rglob(".vllm-*.tmp")), None)
+
+
+def _zip_closed(path: Path) -> bool:
+    """The build has written the end of the zip's central directory: it is checking it now."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-22, os.SEEK_END)
+            return f.read(4) == b"PK\x05\x06"
+    except OSError:
+        return False
+
+
+KILL_POINTS = {
+    "temporary file created": lambda tmp: True,
+    "32 MiB written": lambda tmp: tmp.stat().st_size > 32 << 20,
+    "zip written, being checked": _zip_closed,
+}
+
+
+@pytest.fixture(scope="module")
+def earlier_wheel(upstream_wheel, tmp_path_factory) -> tuple[Path, str]:
+    """A whole wheel already under the name the build writes (an earlier build's)."""
+    version = f"0.25.1+mlafixes.{vllm_mla_fixes.__version__}.build7"
+    target = tmp_path_factory.mktemp("earlier") / upstream_wheel.name.replace(
+        "vllm-0.25.1-", f"vllm-{version}-"
+    )
+    shutil.copyfile(upstream_wheel, target)
+    return target, hashlib.sha256(target.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("signals", "point", "folder"),
+    [
+        ((signal.SIGTERM,), "temporary file created", "holds an earlier wheel"),
+        ((signal.SIGINT,), "32 MiB written", "holds an earlier wheel"),
+        ((signal.SIGTERM, signal.SIGTERM), "32 MiB written", "holds an earlier wheel"),
+        ((signal.SIGTERM,), "zip written, being checked", "holds an earlier wheel"),
+        ((signal.SIGINT,), "32 MiB written", "does not exist yet"),
+    ],
+)
+def test_build_wheel_stopped_leaves_the_folder_as_it_was(
+    upstream_wheel, earlier_wheel, tmp_path, signals, point, folder
+):
+    earlier, earlier_sha = earlier_wheel
+    out = tmp_path / "dist"
+    if folder == "holds an earlier wheel":
+        out.mkdir()
+        os.link(earlier, out / earlier.name)
+        before = _snapshot(out)
+    else:
+        out = out / "nested"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_mla_fixes",
+            "build-wheel",
+            "--vllm-wheel",
+            str(upstream_wheel),
+            "--out",
+            str(out),
+            "--build-number",
+            "7",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        temporary = _temporary(tmp_path)
+        if temporary is not None and KILL_POINTS[point](temporary):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the build ended before {point}: {proc.communicate()}"
+    for signum in signals:
+        proc.send_signal(signum)
+        time.sleep(0.01)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signals[0], stderr
+    assert "Traceback" not in stdout + stderr and stdout == ""
+    name = signal.Signals(signals[0]).name
+    assert stderr.splitlines() == [
+        f"vllm-mla-fixes build-wheel: error: interrupted by {name}; nothing was left half-written"
+    ]
+    if folder == "holds an earlier wheel":
+        assert _snapshot(out) == before  # no file under any name, no temporary file
+        assert hashlib.sha256((out / earlier.name).read_bytes()).hexdigest() == earlier_sha
+    else:
+        assert list(tmp_path.iterdir()) == []  # the folders it created are gone too

@@ -1,0 +1,104 @@
+"""Files that appear whole or not at all, and interruptions that leave none half-written.
+
+Every file a command writes (a wheel, a downloaded wheel in the cache, a cached
+screen verdict, a report) is written under a temporary name beside its final
+name and moved into place with ``os.replace`` only once it is complete: a
+reader (pip, another process) sees the earlier file or the new one, never a
+part.  An exception, Ctrl-C, or SIGTERM under :func:`interruptions_unwind`
+removes the temporary file and any folder the command created for it.
+Standard library only: the plugin's start-up path uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+
+def _temporary_name(target: Path) -> Path:
+    # A hidden name that does not end like the target (no ".whl"), so that
+    # nothing that scans the folder mistakes it for a finished file.
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+@contextlib.contextmanager
+def replacing(target: Path) -> Iterator[Path]:
+    """A temporary path in ``target``'s folder for the block to write (and check);
+    it replaces ``target`` when the block ends normally.  On any exception
+    (KeyboardInterrupt and :class:`Interrupted` included) it is removed and
+    ``target`` is left as it was."""
+    temporary = _temporary_name(target)
+    try:
+        # Created with the mode a plain open() gives (0o666 less the umask),
+        # not mkstemp's 0o600: the finished file is shared like any other.
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        yield temporary
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())  # on disk before the name points at it
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_atomic(target: Path, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8) to ``target`` whole, or leave ``target`` as it was."""
+    with replacing(target) as temporary:
+        temporary.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def folder(path: Path) -> Iterator[Path]:
+    """``path`` as a folder, created with its missing parents; when the block
+    raises, the folders it created are removed again (if still empty)."""
+    missing = []
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+    except BaseException:
+        for created in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                created.rmdir()
+        raise
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived; raised where the program was, so that every
+    ``finally`` on the way out runs (a BaseException, like KeyboardInterrupt:
+    ``except Exception`` does not swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+@contextlib.contextmanager
+def interruptions_unwind() -> Iterator[None]:
+    """Inside this block the first SIGTERM or SIGINT raises :class:`Interrupted`;
+    later ones are ignored until the block has exited, so that the clean-up the
+    first one started is not itself cut short."""
+    watched = (signal.SIGINT, signal.SIGTERM)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        for other in watched:
+            signal.signal(other, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in watched}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

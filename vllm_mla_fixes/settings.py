@@ -1,0 +1,241 @@
+"""Every ``VLLM_MLA_FIXES*`` environment variable: its name, allowed values,
+default and meaning, and the one place that reads and checks it.
+
+Settings are read from the environment where they are used, in every process
+vLLM starts (they inherit the operator's environment).  An empty value counts
+as unset.  A value that is not allowed counts as unset too -- the default
+applies -- and :func:`warn_invalid` logs one warning per variable and process
+when the plugin loads; ``vllm-mla-fixes status`` lists every variable that is
+set and flags the invalid ones.  Standard library only, and nothing here
+raises for a bad value: the plugin's start-up path reads these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import textwrap
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+PREFIX = "VLLM_MLA_FIXES"
+GEOMETRIES = ("interleaved-split", "per-ratio")  # the DeepSeek-V4.1 fix's two page geometries
+DRAFTER_ROWS_ALLOWED = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    allowed_values: str | Callable[[], str]  # a callable where the text is known only later
+    default: str
+    meaning: str
+    parse: Callable[[str], Any]  # the value in force; raises ValueError(why) when not allowed
+
+    @property
+    def allowed(self) -> str:
+        return (
+            self.allowed_values if isinstance(self.allowed_values, str) else self.allowed_values()
+        )
+
+
+def _fix_names() -> tuple[str, ...]:
+    from vllm_mla_fixes.fixes import FIX_NAMES  # here: the fix modules read settings too
+
+    return FIX_NAMES
+
+
+def _fix_selection(raw: str) -> frozenset[str]:
+    text = raw.lower()
+    if text == "all":
+        return frozenset(_fix_names())
+    if text == "none":
+        return frozenset()
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError("it names no fix")
+    keywords = sorted({n for n in names if n in ("all", "none")})
+    unknown = [n for n in names if n not in _fix_names() and n not in keywords]
+    problems = []
+    if keywords:
+        problems.append(f"{' and '.join(repr(k) for k in keywords)} must stand alone")
+    if unknown:
+        problems.append(
+            f"unknown fix name{'s' if len(unknown) > 1 else ''} "
+            + ", ".join(repr(n) for n in unknown)
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+    return frozenset(names)
+
+
+def _geometry(raw: str) -> str:
+    text = raw.lower()
+    if text not in GEOMETRIES:
+        raise ValueError("not a geometry name")
+    return text
+
+
+def _drafter_rows(raw: str) -> int:
+    if raw != str(DRAFTER_ROWS_ALLOWED):
+        raise ValueError("only 64 changes anything")
+    return DRAFTER_ROWS_ALLOWED
+
+
+def _cache_folder(raw: str) -> Path:
+    try:
+        path = Path(raw).expanduser()
+    except RuntimeError as exc:  # "~user" of no such user
+        raise ValueError(str(exc)) from exc
+    if not path.is_absolute():
+        raise ValueError("a relative path would differ between vLLM's processes")
+    if path.exists() and not path.is_dir():
+        raise ValueError("it exists and is not a folder")
+    return path
+
+
+FIXES = Setting(
+    name=PREFIX,
+    allowed_values=lambda: "all, none, or fix names separated by commas "
+    f"({', '.join(_fix_names())})",
+    default="all",
+    meaning="which fixes the plugin may apply; each still applies only where the installed "
+    "vLLM needs it",
+    parse=_fix_selection,
+)
+DSV41_GEOMETRY = Setting(
+    name=f"{PREFIX}_DSV41_GEOMETRY",
+    allowed_values=" or ".join(GEOMETRIES),
+    default="the fix chooses per engine: interleaved-split where it fits, else per-ratio",
+    meaning="force the DeepSeek-V4.1 fix's KV page geometry; set it alike on every node",
+    parse=_geometry,
+)
+DSV41_DRAFTER_SWA_ROWS = Setting(
+    name=f"{PREFIX}_DSV41_DRAFTER_SWA_ROWS",
+    allowed_values=str(DRAFTER_ROWS_ALLOWED),
+    default="128 where the installed FlashInfer takes run-time page sizes, else 64",
+    meaning="rows of a DeepSeek-V4.1 drafter's sliding-window pages; 64 keeps them at the "
+    "kernel page size",
+    parse=_drafter_rows,
+)
+CACHE_DIR = Setting(
+    name=f"{PREFIX}_CACHE_DIR",
+    allowed_values="an absolute path of a folder (created when missing)",
+    default="$XDG_CACHE_HOME/vllm-mla-fixes/screens, else ~/.cache/vllm-mla-fixes/screens",
+    meaning="where the plugin keeps its source-screen verdicts between processes",
+    parse=_cache_folder,
+)
+SETTINGS = (FIXES, DSV41_GEOMETRY, DSV41_DRAFTER_SWA_ROWS, CACHE_DIR)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """One ``VLLM_MLA_FIXES*`` variable that is set."""
+
+    name: str
+    raw: str
+    setting: Setting | None  # None: no setting has this name
+    value: Any = None  # what is in force; None when invalid or unknown
+    problem: str | None = None  # why the value is not allowed
+
+    @property
+    def valid(self) -> bool:
+        return self.setting is not None and self.problem is None
+
+    def describe(self) -> str:
+        """One line: the value in force, or what is wrong and what applies instead."""
+        if self.setting is None:
+            return (
+                f"{self.name}={self.raw!r}: not a setting of vllm-mla-fixes, which reads "
+                f"{', '.join(s.name for s in SETTINGS)}"
+            )
+        if self.problem is None:
+            return f"{self.name}={self.raw!r}"
+        return (
+            f"{self.name}={self.raw!r} is not allowed ({self.problem}); allowed: "
+            f"{self.setting.allowed}; ignored, so the default applies: {self.setting.default}"
+        )
+
+    def as_json(self) -> dict:
+        return {
+            "name": self.name,
+            "value": self.raw,
+            "known": self.setting is not None,
+            "valid": self.valid,
+            "problem": self.problem,
+            "allowed": self.setting.allowed if self.setting else None,
+            "default": self.setting.default if self.setting else None,
+        }
+
+
+def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading | None:
+    """The variable of ``setting`` checked, or None when it is unset or empty."""
+    raw = (os.environ if environ is None else environ).get(setting.name, "")
+    if not raw.strip():
+        return None
+    try:
+        return Reading(setting.name, raw, setting, value=setting.parse(raw.strip()))
+    except ValueError as exc:
+        return Reading(setting.name, raw, setting, problem=str(exc))
+
+
+def value(setting: Setting, environ: Mapping[str, str] | None = None) -> Any:
+    """The value in force, or None for the default (unset, empty, or not allowed)."""
+    reading = read(setting, environ)
+    return None if reading is None else reading.value
+
+
+def readings(environ: Mapping[str, str] | None = None) -> list[Reading]:
+    """Every ``VLLM_MLA_FIXES*`` variable that is set: the settings in table
+    order, then names no setting has (a misspelling, or a variable of the
+    project's test tools)."""
+    env = os.environ if environ is None else environ
+    found = [r for s in SETTINGS if (r := read(s, env)) is not None]
+    found += [
+        Reading(name, env[name], None)
+        for name in sorted(env)
+        if name.startswith(PREFIX) and name not in _BY_NAME and env[name].strip()
+    ]
+    return found
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_invalid(log: logging.Logger) -> None:
+    """Log one warning for each invalid setting, once per value and process."""
+    for reading in readings():
+        if reading.setting is None or reading.problem is None:
+            continue
+        with _warned_lock:
+            if (reading.name, reading.raw) in _warned:
+                continue
+            _warned.add((reading.name, reading.raw))
+        log.warning("vllm-mla-fixes: %s", reading.describe())
+
+
+def forget_warnings() -> None:
+    """Warn again, as a freshly started process would (the plugin's revert_all)."""
+    with _warned_lock:
+        _warned.clear()
+
+
+def help_text() -> str:
+    """The settings as ``--help`` shows them."""
+    lines = ["environment variables (an invalid value is ignored with one warning):"]
+    for s in SETTINGS:
+        lines.append(f"  {s.name}")
+        for text in (s.meaning, f"allowed: {s.allowed}", f"default: {s.default}"):
+            lines += textwrap.wrap(
+                text,
+                80,
+                initial_indent=" " * 6,
+                subsequent_indent=" " * 8,
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+    return "\n".join(lines)
