@@ -36,9 +36,9 @@ def main() -> None:
     from vllm_mla_fixes.reproductions import dsv41_truth_table as table
 
     lens = tuple(args.max_model_len)
-    # The fix decides from the kernel blocks vLLM's backends declare on the device.
+    rows = capacity.benchmark_rows(lens)
+    # The kernel blocks vLLM's backends declare depend on the device.
     with repro.sm120_platform():
-        rows = capacity.benchmark_rows(lens)
         best = {
             count: table.best_working_upstream(
                 (12, 0), repro.EngineSettings(drafter_ratios=(0,) * count), lens
@@ -68,7 +68,7 @@ def main() -> None:
     print()
     print("Geometry the fix chose for each fixed row (its geometry_decision on the row's config):")
     for row in rows:
-        if row.geometry != "upstream" and row.max_model_len == rows[0].max_model_len:
+        if row.label.startswith("fixed") and row.max_model_len == rows[0].max_model_len:
             print(f"- {row.label.split(' (')[0]}: {row.geometry} ({row.reason})")
 
 

@@ -202,26 +202,45 @@ def upstream_rows(
     ]
 
 
+def default_block_size() -> int:
+    """The block size vLLM plans DeepSeek-V4.1 with on SM12x when the line
+    gives none (the fix's own prediction of vLLM's pick, which the truth-table
+    test checks against the platform's real choice)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+
+    with repro.sm120_platform():
+        return upstream.picked_block_size(upstream.declared_kernel_blocks())
+
+
 def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row]:
-    """Upstream at --block-size 128 and 64, the fix's default and fallback,
-    and the fix's choice for a DSpark serve line."""
+    """Upstream at --block-size 128 and 64; then, for the line with no
+    --block-size (vLLM's default, where the fix steps aside if upstream's layout
+    works) and, where that default is not 128, for a --block-size 128 line: the
+    fix's default and fallback, and its choice for DSpark serve lines.  The
+    fixed rows are decided as on an SM120 device."""
     rows = upstream_rows(max_model_lens)
     for count in DSPARK_DRAFTER_COUNTS:
         rows += upstream_rows(max_model_lens, (0,) * count)
-    with forced_geometry(None):
+    picked = default_block_size()
+    lines = [(picked, f"default line (no --block-size: vLLM picks {picked})")]
+    if picked != BASELINE_BLOCK_SIZE:
+        lines.append((BASELINE_BLOCK_SIZE, f"--block-size {BASELINE_BLOCK_SIZE} line"))
+    for block_size, line_label in lines:
+        rows += _fixed_rows(block_size, line_label, max_model_lens)
+    return rows
+
+
+def _fixed_rows(block_size: int, line_label: str, max_model_lens: tuple[int, ...]) -> list[Row]:
+    rows = []
+    with repro.sm120_platform(), forced_geometry(None):
+        rows += measure(f"fixed, {line_label}", block_size, max_model_lens)
+    with repro.sm120_platform(), forced_geometry(fix.PER_RATIO):
         rows += measure(
-            "fixed, default: interleaved split (128-token blocks, ratio-1 64-state kernel "
-            "pages interleaved, SWA 64)",
-            BASELINE_BLOCK_SIZE,
+            f"fixed, {line_label}, forced fallback: per-ratio (ratio-1 64, ratio-2 128, SWA 64)",
+            block_size,
             max_model_lens,
         )
-    with forced_geometry(fix.PER_RATIO):
-        rows += measure(
-            "fixed, fallback: per-ratio (ratio-1 64, ratio-2 128, SWA 64)",
-            BASELINE_BLOCK_SIZE,
-            max_model_lens,
-        )
-    line = (
+    speculative = (
         '(--speculative-config \'{"method": "dspark", "num_speculative_tokens": '
         f"{DSPARK_OPTIONS['num_speculative_tokens']}}}')"
     )
@@ -234,15 +253,15 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
         drafter_pages.append((f", {fix.DRAFTER_SWA_ENV}=64", drafter_pages_kept_at_64))
     for count in DSPARK_DRAFTER_COUNTS:
         for suffix, pages in drafter_pages:
-            with forced_geometry(None), pages():
+            with repro.sm120_platform(), forced_geometry(None), pages():
                 dspark = repro.EngineSettings(
                     attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
                     drafter_ratios=(0,) * count,
                 )
                 rows += measure(
-                    f"fixed, default with DSpark and {count} drafter "
-                    f"layer{'s' if count > 1 else ''}{suffix} {line}",
-                    BASELINE_BLOCK_SIZE,
+                    f"fixed, {line_label}, DSpark with {count} drafter "
+                    f"layer{'s' if count > 1 else ''}{suffix} {speculative}",
+                    block_size,
                     max_model_lens,
                     settings=dspark,
                 )
