@@ -72,13 +72,13 @@ def main() -> None:
             print(f"- {row.label.split(' (')[0]}: {row.geometry} ({row.reason})")
 
 
-def _versus_best(row, best: dict[int, int] | None) -> str:
+def _versus_best(row, best: tuple[int, dict[int, int]] | None) -> str:
     """The row against the best upstream layout that starts and whose every
     page the installed kernels' envelopes take (``n/a`` where none does);
     upstream's own rows show their own figure."""
     if best is None:
         return "n/a"
-    return f"{row.tokens / best[row.max_model_len]:.3f}x"
+    return f"{row.tokens / best[1][row.max_model_len]:.3f}x"
 
 
 if __name__ == "__main__":

@@ -191,7 +191,8 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             "reason": line.reason,
             "vs_best_working_upstream": None
             if best is None
-            else round(line.fix_tokens[lens[0]] / best[lens[0]], 4),
+            else round(line.fix_tokens[lens[0]] / best[1][lens[0]], 4),
+            "best_working_upstream_block_size": None if best is None else best[0],
             "at_max_model_len": lens[0],
         },
         "capacity": [

@@ -246,10 +246,10 @@ def best_working_upstream(
     capability: tuple[int, int],
     settings: repro.EngineSettings,
     max_model_lens: tuple[int, ...],
-) -> dict[int, int] | None:
-    """Tokens per GiB of the best upstream layout that works for these
-    settings (over the block sizes of the table), or None where none works."""
-    best: dict[int, int] | None = None
+) -> tuple[int, dict[int, int]] | None:
+    """(block size, tokens per GiB) of the best upstream layout that works for
+    these settings (over the block sizes of the table), or None where none works."""
+    best: tuple[int, dict[int, int]] | None = None
     with repro.sm120_platform(capability):
         for block_size in (64, 128):
             pages, _ = _upstream_start(block_size, settings)
@@ -261,8 +261,8 @@ def best_working_upstream(
             tokens = _tokens(
                 capacity.measure("upstream", block_size, max_model_lens, settings, fixed=False)
             )
-            if best is None or tokens[max_model_lens[0]] > best[max_model_lens[0]]:
-                best = tokens
+            if best is None or tokens[max_model_lens[0]] > best[1][max_model_lens[0]]:
+                best = (block_size, tokens)
     return best
 
 

@@ -331,15 +331,27 @@ def _upstream_findings(dsv41: dict, fixed: bool) -> list:
     else:
         problem = "cannot be judged: " + "; ".join(dsv41["unknown_envelopes"])
     if fixed:
-        return [
+        findings = [
             Finding(
                 "info",
                 name,
                 f"upstream's {size} layout {problem}; the fix lays out its "
-                f"{dsv41['decision']} geometry instead",
+                f"{dsv41['decision']} geometry instead{held}",
                 facts=dsv41,
             )
         ]
+        better = dsv41.get("best_working_upstream_block_size")
+        if versus is not None and versus < 1 and better:
+            findings.append(
+                Finding(
+                    "warn",
+                    name,
+                    f"upstream's own --block-size {better} layout works on this vLLM and holds "
+                    f"more KV tokens than the fix's layout for this line ({versus:.3f}x)",
+                    f"serve with --block-size {better}: the fix then steps aside",
+                )
+            )
+        return findings
     return [
         Finding(
             "error",
