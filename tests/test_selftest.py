@@ -7,7 +7,9 @@ a subprocess of the release's environment), twice at once:
   fallback (per-ratio) must read back exactly in every serving case, with no
   byte outside their pages changed; the control (the split with untranslated
   ratio-1 writer slots, PR #56509's bug class) must fail every case; upstream's
-  own layout, where it starts, reproduces the bug; exit status 0;
+  own layout, where it starts, reproduces the bug on 0.32.0 and 0.33.0 and reads
+  back exactly on 0.34.0 (--block-size 64: every page is one the kernels'
+  declarations take); exit status 0;
 * with the fix regressed to that bug class (a ``sitecustomize`` takes the
   ratio-1 slot translation out of ``dsv41-sm120-geometry`` before anything
   runs): the default geometry must fail every case, exit status 1.  This run
@@ -84,6 +86,17 @@ def _finish(proc: subprocess.Popen) -> tuple[int, dict, str]:
 
 
 REGRESSED_ON = "0.34.0"
+UPSTREAM_VERDICT = {
+    "0.32.0": "bug reproduced",
+    "0.33.0": "bug reproduced",
+    "0.34.0": "no failure here",
+}
+
+
+def _release() -> str:
+    import vllm
+
+    return str(vllm.__version__)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +133,7 @@ def test_selftest_passes_with_the_fix_as_installed(runs):
     assert verdicts == {
         "split": "pass",
         "fallback": "pass",
-        "upstream": "bug reproduced",
+        "upstream": UPSTREAM_VERDICT[_release()],
         "control": "caught",
     }
 
@@ -172,16 +185,24 @@ def test_selftest_exits_1_when_the_fix_keeps_manager_block_slots(runs):
 
 
 @pytest.mark.vllm_release(*DSV41)
-def test_upstream_runs_where_it_starts_and_shows_the_bug(report):
-    """0.32/0.33 start with --block-size 128 (32-row SWA pages, 128-state ratio-1
-    indexer pages), 0.34.0 with 64 (32-state ratio-2 indexer pages): a page that
-    SM120's kernels have no kernel for."""
-    import vllm
-
+def test_upstream_runs_where_it_starts_with_what_the_kernels_declare(report):
+    """0.32/0.33 start with --block-size 128: 128-state ratio-1 indexer pages, which
+    DeepGEMM's SM120 host check refuses (0.32.0: also 32-row SWA pages, which
+    FlashInfer 0.7.0.post1 refuses).  0.34.0 starts with 64: 32-state ratio-2
+    indexer pages and 32-row SWA pages, which DeepGEMM and FlashInfer 0.7.4
+    declare they take, so upstream's layout reads back exactly."""
     g = _geometry(report, "upstream")
-    assert g["block_size"] == (64 if vllm.__version__ == "0.34.0" else 128)
     problems = [p for row in g["rows"] for p in row["problems"]]
-    assert any("DeepGEMM's paged MQA logits take pages of (64,) states" in p for p in problems)
+    if _release() == "0.34.0":
+        assert (g["block_size"], g["verdict"], problems) == (64, "no failure here", [])
+        for name, case in g["cases"].items():
+            assert case["compared"] > 0 and not case["failed"], (name, case)
+            assert case["worst_error"] == 0 and case["foreign_bytes"] == 0, (name, case)
+        return
+    assert (g["block_size"], g["verdict"]) == (128, "bug reproduced")
+    assert any("DeepGEMM's paged MQA logits take pages of 32, 64 states" in p for p in problems)
+    primary_32 = any("primary page of 32 rows" in p for p in problems)
+    assert primary_32 == (_release() == "0.32.0")
 
 
 @pytest.mark.vllm_release(*DSV41)

@@ -391,7 +391,7 @@ def _flashinfer_0_7_0(root: Path, config: Any, source: Declaration) -> dict[str,
         heads,
         topk,
         dtypes,
-        (source, Declaration(_shown(decode), at, text.splitlines()[at - 1].strip())),
+        (Declaration(_shown(decode), at, text.splitlines()[at - 1].strip()), source),
         ("the extra page size is a run-time argument the launcher does not check",),
     )
 
