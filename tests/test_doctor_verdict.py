@@ -240,7 +240,7 @@ def test_a_line_without_a_model_is_said_at_once():
     (line,) = text.stderr.strip().splitlines()
     assert "the serve line names no model" in line
     assert json.loads(as_json.stdout) == {
-        "error": line.removeprefix("vllm-mla-fixes doctor: "),
+        "error": line.removeprefix("vllm-mla-fixes doctor: error: "),
         "exit_status": 2,
     }
     assert as_json.returncode == 2

@@ -15,7 +15,6 @@ import importlib
 import json
 import os
 import shlex
-import sys
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
@@ -518,16 +517,6 @@ def report(
         _print_human(env, serve, findings, print_)
         print_(judged.line())
     return judged.exit_status
-
-
-def input_error(message: str, as_json: bool = False) -> int:
-    """A line doctor cannot check: one line on stderr, or the JSON error document."""
-    status = EXIT_STATUS[WILL_FAIL]
-    if as_json:
-        print(json.dumps({"error": message, "exit_status": status}))
-    else:
-        print(f"vllm-mla-fixes doctor: {message}", file=sys.stderr)
-    return status
 
 
 def _print_human(
