@@ -134,8 +134,9 @@ def _doctor_json(*serve: str, **env: str) -> dict:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("block_size", ["64", "128"])
-def test_doctor_json_carries_the_line_cell(cells, block_size):
+def test_doctor_json_carries_the_line_cell(cells):
+    """--block-size 64: works upstream on 0.34.0, does not start on 0.32.0/0.33.0."""
+    block_size = "64"
     report = _doctor_json(
         str(MODEL), "--kv-cache-dtype", "fp8", "--block-size", block_size, "--max-model-len", "8192"
     )
