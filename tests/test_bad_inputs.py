@@ -14,7 +14,6 @@ Only the status and build-wheel cases need vLLM or its wheel; all run in the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -324,6 +323,7 @@ STATUS_RUNS = {
     "human-1": {"VLLM_MLA_FIXES": "all,bogus", GEOMETRY: "garbage", DRAFTER: "7"},
     "json-1": {"VLLM_MLA_FIXES": ",", DRAFTER: "-1", CACHE_DIR: "relative/screens"},
     "human-2": {"VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape", DRAFTER: "abc", GEOMETRY: "split"},
+    "json-plugins": {"VLLM_PLUGINS": "someother"},
 }
 SETTING_CASES = [
     # (run, variable, what its one warning must say besides its name, value and allowed values)
@@ -340,21 +340,32 @@ SETTING_CASES = [
 
 
 @pytest.fixture(scope="module")
-def status_run(tmp_path_factory):
-    @functools.cache
-    def run(name: str) -> subprocess.CompletedProcess:
+def status_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every status run, started at once: each spends its time importing vLLM."""
+    started = {}
+    for name, env in STATUS_RUNS.items():
         args = ["status", "--json"] if name.startswith("json") else ["status"]
-        return cli(*args, cwd=tmp_path_factory.mktemp(name), env=STATUS_RUNS[name])
-
-    return run
+        started[name] = subprocess.Popen(
+            [sys.executable, "-m", "vllm_mla_fixes", *args],
+            cwd=tmp_path_factory.mktemp(name),
+            env=_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finished = {}
+    for name, proc in started.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        finished[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return finished
 
 
 @pytest.mark.parametrize(("run", "variable", "problem"), SETTING_CASES)
-def test_invalid_setting_warns_once_and_status_flags_it(status_run, run, variable, problem):
+def test_invalid_setting_warns_once_and_status_flags_it(status_runs, run, variable, problem):
     from vllm_mla_fixes import settings
 
     value = STATUS_RUNS[run][variable]
-    proc = status_run(run)
+    proc = status_runs[run]
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     allowed = next(s for s in settings.SETTINGS if s.name == variable).allowed
     # the plugin, as vLLM loads it: one warning naming the variable, its value and what is allowed
@@ -380,16 +391,16 @@ def test_invalid_setting_warns_once_and_status_flags_it(status_run, run, variabl
         assert flagged == [f"  [WARN] {warnings[0].split('vllm-mla-fixes: ', 1)[1]}"]
 
 
-def test_invalid_selection_is_treated_as_unset(status_run):
-    """VLLM_MLA_FIXES=all,bogus and =, select every fix (the default), =none,... too."""
+def test_invalid_selection_is_treated_as_unset(status_runs):
+    """VLLM_MLA_FIXES=all,bogus, =, and =none,... select every fix (the default)."""
     for run in ("human-1", "human-2"):
-        assert "disabled" not in status_run(run).stdout
-    document = json.loads(status_run("json-1").stdout)
+        assert "disabled" not in status_runs[run].stdout
+    document = json.loads(status_runs["json-1"].stdout)
     assert not [f for f in document["fixes"] if f["state"] == "disabled"]
 
 
-def test_vllm_plugins_without_this_plugin_is_named_as_the_cause(tmp_path):
-    proc = cli("status", "--json", cwd=tmp_path, env={"VLLM_PLUGINS": "someother"})
+def test_vllm_plugins_without_this_plugin_is_named_as_the_cause(status_runs):
+    proc = status_runs["json-plugins"]
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     document = json.loads(proc.stdout)
     for fix in document["fixes"]:
