@@ -108,7 +108,7 @@ FIXES = Setting(
 DSV41_GEOMETRY = Setting(
     name=f"{PREFIX}_DSV41_GEOMETRY",
     allowed_values=" or ".join(GEOMETRIES),
-    default="the fix chooses per engine: interleaved-split where it fits, else per-ratio",
+    default="chosen per engine by the fix (interleaved-split where it fits, else per-ratio)",
     meaning="force the DeepSeek-V4.1 fix's KV page geometry; set it alike on every node",
     parse=_geometry,
 )
