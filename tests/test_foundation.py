@@ -258,6 +258,19 @@ def test_selection_variable_drives_register(fresh_plugin, monkeypatch, value, st
 
 
 @pytest.mark.vllm_release("0.25.1")
+def test_loading_the_plugin_again_says_nothing_twice(fresh_plugin, monkeypatch, plugin_log):
+    """vLLM may load plugins more than once in a process: each outcome and each
+    invalid setting is logged once."""
+    monkeypatch.setenv("VLLM_MLA_FIXES_DSV41_GEOMETRY", "garbage")
+    fresh_plugin.register()
+    fresh_plugin.register()
+    said = [r.getMessage() for r in plugin_log if r.getMessage().startswith("vllm-mla-fixes: ")]
+    assert any("VLLM_MLA_FIXES_DSV41_GEOMETRY='garbage' is not allowed" in m for m in said), said
+    assert any("fa4-compile-strides not applied" in m for m in said), said
+    assert len(said) == len(set(said)), said
+
+
+@pytest.mark.vllm_release("0.25.1")
 def test_unknown_name_warns_in_plugin_and_fails_in_cli(fresh_plugin, monkeypatch, plugin_log):
     monkeypatch.setenv("VLLM_MLA_FIXES", "fp8-ds-mla-reshape,no-such-fix")
     fresh_plugin.register()  # never raises
