@@ -371,7 +371,7 @@ def _cache_file() -> Path | None:
     for path in sources:
         digest.update(path.read_bytes())
     key = f"{installed}-{flashinfer}-{digest.hexdigest()[:16]}"
-    return screen_cache.cache_dir().parent / "truth-tables" / f"{key}.json"
+    return screen_cache.cache_dir() / "truth-tables" / f"{key}.json"
 
 
 REPRODUCTION_SOURCES = ("dsv41_truth_table.py", "dsv41_capacity.py", "dsv41_sm120_geometry.py")
