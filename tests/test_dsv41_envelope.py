@@ -17,6 +17,7 @@ Three kinds of test:
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -440,6 +441,9 @@ def test_disagreements_name_both_sources(fresh):
         text = str(d)
         assert d.statement.source is not None and d.statement.source.path in text
         assert d.envelope.sources[0].path in text
+    report = json.loads(json.dumps(fresh.report()))  # what status --json can carry
+    assert report["vllm"] == _release() and list(report["envelopes"]) == list(env.KERNELS)
+    assert report["disagreements"] == [str(d) for d in found]
 
 
 def test_unset_block_size_is_what_vllm_picks_on_sm12x():

@@ -33,7 +33,7 @@ import torch
 
 from . import kernels as kn
 from . import reference as ref
-from .env import simulated_sm120_host
+from .env import one_torch_thread, simulated_sm120_host
 from .layout import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, describe
 from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan, Worker
 
@@ -832,9 +832,11 @@ def run_geometry(
     for case in CASES:
         result.case(case)
     start = time.monotonic()
-    host = simulated_sm120_host() if device.kind == "cpu" else contextlib.nullcontext()
+    cpu = device.kind == "cpu"
+    host = simulated_sm120_host() if cpu else contextlib.nullcontext()
+    threads = one_torch_thread() if cpu else contextlib.nullcontext()
     try:
-        with host, _fix_for(geometry, device) as applied, kernels.attention_entry():
+        with threads, host, _fix_for(geometry, device) as applied, kernels.attention_entry():
             layout = build_layout(geometry, model, SENTINEL, device.torch_device)
             result.block_size = layout.block_size
             result.layout = describe(layout)
