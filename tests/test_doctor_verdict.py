@@ -140,7 +140,7 @@ def test_dsv41_line_is_judged_as_the_sm12x_node_sees_it(tmp_path):
     assert report["environment"]["fix_states"]["dsv41-sm120-geometry"]["state"] == "not-needed"
     findings = [f for f in report["findings"] if f["topic"] == "dsv41-sm120-geometry"]
     assert findings[-1]["level"] == "ok"
-    assert findings[-1]["message"].startswith("on an SM12x serving node the plugin applies the fix")
+    assert findings[-1]["message"].startswith("on an SM12x serving node the plugin loads the fix")
     assert not [f for f in findings if f["level"] in ("warn", "error")], findings
     assert any("gets the interleaved-split geometry" in f["message"] for f in findings)
     assert (report["verdict"], report["exit_status"]) == ("READY", 0)

@@ -478,14 +478,17 @@ def verdict(findings: list[Finding]) -> Verdict:
     return Verdict(READY, "")
 
 
-DSV41_TOPIC = "dsv41-sm120-geometry"
-
-
-def dsv41_facts(findings: list[Finding]) -> dict | None:
-    """The DeepSeek-V4.1 line's upstream-versus-fix facts (``upstream_works``,
-    ``upstream_rejected``, ``decision``, ``vs_best_working_upstream``, ...), or
-    None where no DeepSeek-V4.1 serve line was judged."""
-    return next((f.facts for f in findings if f.topic == DSV41_TOPIC and f.facts), None)
+def json_facts(findings: list[Finding]) -> dict[str, dict | None]:
+    """Each fix's machine-readable facts (``Finding.facts``) under the
+    top-level key the fix declares (``DOCTOR_JSON_KEY``); null where none of
+    its findings carries any (e.g. no DeepSeek-V4.1 line was judged)."""
+    return {
+        fix.DOCTOR_JSON_KEY: next(
+            (f.facts for f in findings if f.topic == fix.INFO.name and f.facts), None
+        )
+        for fix in ALL_FIXES
+        if hasattr(fix, "DOCTOR_JSON_KEY")
+    }
 
 
 def report(
@@ -505,7 +508,7 @@ def report(
                     "environment": dataclasses.asdict(env),
                     "serve": dataclasses.asdict(serve) if serve else None,
                     "findings": [dataclasses.asdict(f) for f in findings],
-                    "dsv41": dsv41_facts(findings),
+                    **json_facts(findings),
                     "verdict": judged.label,
                     "reason": judged.reason,
                     "exit_status": judged.exit_status,

@@ -111,7 +111,8 @@ def fix_verdict(env: Environment, name: str) -> Finding:
         return Finding(
             "ok",
             name,
-            f"on {serving_node} the plugin applies the fix ({env.fix_reason(name)})",
+            f"on {serving_node} the plugin loads the fix ({env.fix_reason(name)}); "
+            "what it lays out for a line is its decision there, as above",
             "run the same serve line there",
         )
     if state == "applied":

@@ -148,6 +148,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     status_detail,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import (
+    DOCTOR_JSON_KEY,
     INDEXER_FP8_FLAG,
     MOE_MARLIN_FLAG,
     SPLIT_ERROR_0_34,
@@ -185,6 +186,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import (
 
 __all__ = [
     "ATTENTION_MODULE",
+    "DOCTOR_JSON_KEY",
     "DRAFTER_SWA_ENV",
     "DRAFTER_SWA_ROWS",
     "FLASHINFER_BACKEND",
