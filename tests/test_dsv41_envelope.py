@@ -5,7 +5,7 @@ Three kinds of test:
 
 * the declarations: the exact text each envelope is read from, found at its
   line in the installed files (the compiled host checks as whole strings of
-  the extension), read here without ``envelope.py``; and the table of
+  the extension), read here without the ``envelope`` package; and the table of
   envelopes per release that ``kernel_envelopes()`` must return.  A kernel
   release that changes a declaration fails here first;
 * the self-test's CPU stand-ins for the readers accept exactly the pages the
@@ -535,7 +535,9 @@ def test_gather_stand_in_takes_any_page_as_the_op_does():
 
 def test_an_uncovered_vllm_release_gives_unknown_envelopes(fresh, monkeypatch):
     real = env.installed_version
-    monkeypatch.setattr(env, "installed_version", lambda d: "0.31.0" if d == "vllm" else real(d))
+    monkeypatch.setattr(
+        env.installed, "installed_version", lambda d: "0.31.0" if d == "vllm" else real(d)
+    )
     envelopes = fresh.kernel_envelopes()
     for envelope in envelopes.values():
         assert not envelope.known and envelope.accepts_rows(64) is None
@@ -549,7 +551,9 @@ def test_an_uncovered_vllm_release_gives_unknown_envelopes(fresh, monkeypatch):
 def test_an_unreviewed_flashinfer_gives_unknown_flashinfer_envelopes(fresh, monkeypatch):
     real = env.installed_version
     monkeypatch.setattr(
-        env, "installed_version", lambda d: "0.7.3" if d == "flashinfer-python" else real(d)
+        env.installed,
+        "installed_version",
+        lambda d: "0.7.3" if d == "flashinfer-python" else real(d),
     )
     envelopes = fresh.kernel_envelopes()
     flashinfer = [k for k in env.KERNELS if k.startswith("flashinfer")]
@@ -574,7 +578,7 @@ def test_an_unreadable_deep_gemm_declaration_gives_unknown(fresh, monkeypatch, t
     fp8 = impls / "sm120_fp8_paged_mqa_logits.cuh"
     fp8.write_text(fp8.read_text().replace('"Unsupported FP8 page size"', '"page size"'))
     (copy / "_C_extension.abi3.so").symlink_to(vendored / "_C_extension.abi3.so")
-    monkeypatch.setattr(env, "deep_gemm_dir", lambda: copy)
+    monkeypatch.setattr(env.installed, "deep_gemm_dir", lambda: copy)
     envelopes = fresh.kernel_envelopes()
     unknown = envelopes[env.DEEPGEMM_LOGITS_FP8]
     assert unknown.accepts_rows(32) is None and unknown.accepts_rows(128) is None
@@ -601,7 +605,9 @@ def test_an_unreadable_deep_gemm_declaration_gives_unknown(fresh, monkeypatch, t
 def test_an_unreadable_flashinfer_declaration_gives_unknown(fresh, monkeypatch, tmp_path):
     """FlashInfer's package folder without its C++ declarations."""
     real = env.package_dir
-    monkeypatch.setattr(env, "package_dir", lambda n: tmp_path if n == "flashinfer" else real(n))
+    monkeypatch.setattr(
+        env.installed, "package_dir", lambda n: tmp_path if n == "flashinfer" else real(n)
+    )
     for envelope in fresh.kernel_envelopes().values():
         if envelope.kernel.startswith("flashinfer"):
             assert envelope.accepts_rows(64) is None
