@@ -41,10 +41,19 @@ class Setting:
         )
 
 
-def _fix_names() -> tuple[str, ...]:
-    from vllm_mla_fixes.fixes import FIX_NAMES  # here: the fix modules read settings too
+_declared_fix_names: tuple[str, ...] = ()
 
-    return FIX_NAMES
+
+def declare_fixes(names: tuple[str, ...]) -> None:
+    """The fix names ``VLLM_MLA_FIXES`` may select.  ``vllm_mla_fixes.fixes``
+    declares them when it is imported, which importing this package always
+    does first; this module imports no fix (the fixes read settings)."""
+    global _declared_fix_names
+    _declared_fix_names = tuple(names)
+
+
+def _fix_names() -> tuple[str, ...]:
+    return _declared_fix_names
 
 
 def _fix_selection(raw: str) -> frozenset[str]:
