@@ -25,6 +25,7 @@ from vllm_mla_fixes.doctor import EXIT_STATUS, READY, READY_WITH_WARNINGS
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = sorted(
     [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "SECURITY.md", ROOT / "CHANGELOG.md"]
+    + [ROOT / "tests" / "README.md"]
     + list((ROOT / "docs").rglob("*.md"))
 )
 TESTED_FENCE = re.compile(r"^```(?:bash|sh)\s+tested\s*$")
