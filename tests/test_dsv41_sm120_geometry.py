@@ -590,6 +590,43 @@ def test_drafter_sliding_window_pages_follow_the_installed_flashinfer(request):
         assert len(drafter_groups) == 1, drafter_groups
 
 
+@pytest.mark.vllm_release("0.33.0", "0.34.0")
+@pytest.mark.parametrize(("count", "rows"), [(1, 64), (3, 128)])
+def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, rows):
+    """Issue 25, item 4: where FlashInfer takes run-time page sizes, the fix
+    plans a DSpark drafter's sliding-window pages at 128 and at 64 rows with
+    vLLM's own planner on the engine's layers and keeps the one holding more.
+    One drafter layer fits the backbone's 64-row groups (128 rows would open a
+    tenth group: 0.940x); three do not.  Either way the line holds at least
+    upstream's working --block-size 64 layout with the same drafter layers."""
+    import re
+
+    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
+
+    lens = (8192,)
+    settings = repro.EngineSettings(
+        attached={"speculative_config": _dspark()}, drafter_ratios=(0,) * count
+    )
+    with repro.sm120_platform(), capacity.forced_geometry(None):
+        fixed = capacity.measure("dspark", 128, lens, settings)
+        planned = fix.planned_drafter_rows()
+        status = fix.status_detail()
+        with capacity.drafter_pages_kept_at_64():
+            narrow = capacity.measure("dspark, 64-row drafter pages", 128, lens, settings)
+    upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
+    assert planned is not None and planned[0] == rows, planned
+    figures = re.search(
+        r"128-row pages hold ([\d,]+) KV tokens per GiB, 64-row ([\d,]+)", planned[1]
+    )
+    assert figures is not None, planned[1]
+    wide, narrow_planned = (int(f.replace(",", "")) for f in figures.groups())
+    assert narrow_planned == narrow[0].tokens  # the planning is the benchmark's figure
+    assert fixed[0].tokens == max(wide, narrow_planned)
+    assert f"drafter sliding-window pages: {rows} rows" in status
+    best_upstream = capacity.baseline(upstream, 8192, 64, count)
+    assert fixed[0].versus(best_upstream) >= 1.0, (fixed[0].tokens, best_upstream.tokens)
+
+
 def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
     monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "64")
     with repro.applied((12, 0)):

@@ -158,6 +158,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
         block_size = line.picked_block_size
         resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
         fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
+        planned = fix.planned_drafter_rows() if settings.drafter_ratios else None
     upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
     drafters = len(settings.drafter_ratios)
     text = (model_config or {}).get("text_config", model_config or {})
@@ -179,7 +180,12 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             "kv_connector": resolved.kv_connector if resolved is not None else None,
         },
         "geometry": fixed[0].geometry,
-        "reason": fixed[0].reason,
+        "reason": fixed[0].reason
+        + (
+            ""
+            if planned is None
+            else f"; drafter sliding-window pages: {planned[0]} rows ({planned[1]})"
+        ),
         "dsv41": {
             "block_size": block_size,
             "upstream_starts": line.upstream_starts,
@@ -213,7 +219,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             heads // tp,
             int(text.get("sliding_window", FLASH_WINDOW)),
             int(text.get("index_topk", FLASH_INDEX_TOPK)),
-            drafter_page=fix.drafter_swa_rows()[0] if drafters else None,
+            drafter_page=(planned or fix.drafter_swa_rows())[0] if drafters else None,
         )
         if heads % tp == 0
         else [{"error": f"{heads} attention heads do not split over TP {tp}"}],

@@ -123,18 +123,25 @@ def make_vllm_config(
     return config
 
 
+STAND_IN_MAX_MODEL_LEN = 8192  # the scheduler's own default where no model sets one
+
+
 @contextlib.contextmanager
 def _backbone_in_model_config(vllm_config, backbone: int) -> Iterator[None]:
-    """While the layers are built, a serve's model config says how many layers
-    the backbone has (a drafter's are numbered past it); this config has no
-    model, so it gets a stand-in holding that number for the duration."""
+    """While the layers are built and give their specs, a serve's model config
+    says how many layers the backbone has (a drafter's are numbered past it)
+    and the max-model-len (the fix plans a drafter's pages at it); this config
+    has no model, so it gets a stand-in holding those for the duration."""
     if vllm_config.model_config is not None:
         yield
         return
     text = SimpleNamespace(num_hidden_layers=backbone)
-    object.__setattr__(
-        vllm_config, "model_config", SimpleNamespace(hf_config=text, hf_text_config=text)
+    stand_in = SimpleNamespace(
+        hf_config=text,
+        hf_text_config=text,
+        max_model_len=STAND_IN_MAX_MODEL_LEN,
     )
+    object.__setattr__(vllm_config, "model_config", stand_in)
     try:
         yield
     finally:
@@ -279,8 +286,10 @@ def plan_geometry(
     if speculative_config is not None:
         object.__setattr__(vllm_config, "speculative_config", speculative_config)
     drafter_ratios = drafter_ratios or (settings.drafter_ratios if settings else ())
-    layers = build_layers(vllm_config, DSV41_FLASH if model is None else model, drafter_ratios)
-    specs = get_kv_cache_spec(vllm_config)
+    model_layout: dict[str, Any] = DSV41_FLASH if model is None else model
+    layers = build_layers(vllm_config, model_layout, drafter_ratios)
+    with _backbone_in_model_config(vllm_config, model_layout["num_hidden_layers"]):
+        specs = get_kv_cache_spec(vllm_config)
     backends = {
         layer.get_attn_backend()
         for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()

@@ -154,6 +154,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import (
     SPLIT_ERROR_0_34,
     diagnose,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.drafter_pages import planned_drafter_rows
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
     REVIEWED,
     SPLIT_TARGETS,
@@ -220,6 +221,7 @@ __all__ = [
     "for_capability",
     "geometry_decision",
     "kernel_slots",
+    "planned_drafter_rows",
     "probe",
     "source_screen",
     "specs_geometry",

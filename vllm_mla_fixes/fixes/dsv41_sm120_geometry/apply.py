@@ -57,6 +57,9 @@ def apply(patch: Patch) -> None:
     _state["backends"] = ()
     _state["owned_ratios"] = set()
     _state["drafter_swa_caches"] = set()
+    _state["drafter_swa_narrowed"] = set()
+    _state["planning_drafter_rows"] = False
+    _state["drafter_rows"] = None
     _INTERLEAVED.clear()
     _PAIR_REGIONS.clear()
     split_reviewed = not _state["split_unreviewed"]

@@ -76,8 +76,12 @@ def bound_pages(forward_context: dict[str, Any]) -> list[CachePage]:
 
 def expected_rows(page: CachePage) -> int:
     """Rows the fix gave this page: 64, or 128 for a drafter's sliding-window
-    cache it built so (see :data:`DRAFTER_SWA_ROWS`)."""
-    if page.kind == "sliding-window KV" and page.layer in _state["drafter_swa_caches"]:
+    cache it built so and planning kept so (see :mod:`.drafter_pages`)."""
+    if (
+        page.kind == "sliding-window KV"
+        and page.layer in _state["drafter_swa_caches"]
+        and page.layer not in _state["drafter_swa_narrowed"]
+    ):
         return DRAFTER_SWA_ROWS
     return PAGE_ROWS
 

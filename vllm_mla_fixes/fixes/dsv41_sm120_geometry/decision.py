@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from vllm_mla_fixes import settings
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
     split_unreviewed,
 )
@@ -368,7 +368,13 @@ def status_detail() -> str:
     this process, or the rule when no model was loaded here."""
     decided = list(_state["decisions"].values())
     if decided:
-        return "; ".join(f"geometry {d.geometry} ({d.reason})" for d in decided)
+        planned = _state["drafter_rows"]
+        drafter = (
+            ""
+            if planned is None
+            else f"; drafter sliding-window pages: {planned[0]} rows ({planned[1]})"
+        )
+        return "; ".join(f"geometry {d.geometry} ({d.reason})" for d in decided) + drafter
     if _state["split_unreviewed"]:
         return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
     return (
@@ -384,20 +390,11 @@ def status_detail() -> str:
 
 @functools.cache
 def flashinfer_takes_runtime_swa_pages() -> bool:
-    """Whether the installed FlashInfer's SM120 DeepSeek-V4 decode kernels take
-    the primary (sliding-window) page size at run time, as its own envelope
-    says (0.7.2.post1 and later); 0.7.0.post1 instantiates 64 rows only."""
-    try:
-        from flashinfer.mla import supported_sparse_mla_sm120_configs
-
-        family = supported_sparse_mla_sm120_configs().get("dsv4")
-        return bool(
-            family is not None
-            and getattr(family, "page_block_size_is_runtime", False)
-            and family.supports_decode(8, 128, page_block_size=DRAFTER_SWA_ROWS)
-        )
-    except Exception:  # noqa: BLE001 - an unknown FlashInfer keeps 64-row pages
-        return False
+    """Whether every installed kernel on the sliding-window cache takes
+    128-row pages, as its own envelope declares: FlashInfer's SM120 decode and
+    prefill take run-time page sizes from 0.7.2.post1 on; 0.7.0.post1
+    instantiates 64 rows only.  An unknown envelope keeps 64-row pages."""
+    return envelope.accepts_rows(envelope.SWA, DRAFTER_SWA_ROWS) is True
 
 
 def drafter_swa_rows() -> tuple[int, str]:
@@ -406,7 +403,8 @@ def drafter_swa_rows() -> tuple[int, str]:
         return PAGE_ROWS, f"{DRAFTER_SWA_ENV}={PAGE_ROWS}"
     if flashinfer_takes_runtime_swa_pages():
         return DRAFTER_SWA_ROWS, (
-            "the installed FlashInfer takes run-time page sizes; all drafter layers share "
-            "one KV-cache group"
+            "the installed FlashInfer takes run-time page sizes; kept where planning the "
+            "engine's drafter layers both ways finds that 128-row pages, all in one KV-cache "
+            "group, hold more KV tokens per GiB than 64-row pages, else 64"
         )
     return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"

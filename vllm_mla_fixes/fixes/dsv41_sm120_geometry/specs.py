@@ -17,6 +17,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     drafter_swa_rows,
     stepped_aside,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.drafter_pages import with_planned_rows
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     DRAFTER_SWA_ROWS,
     INFO,
@@ -136,6 +137,9 @@ def _swa_cache_with_kernel_pages(cache_class: type) -> Callable:
             kwargs["block_size"] = swa_page_rows(kwargs.get("prefix"))
             if kwargs["block_size"] == DRAFTER_SWA_ROWS:
                 _state["drafter_swa_caches"].add(kwargs.get("prefix"))
+                cache = cache_class(*args, **kwargs)
+                with_planned_rows(cache)
+                return cache
         return cache_class(*args, **kwargs)
 
     build_swa_cache.__wrapped__ = cache_class  # type: ignore[attr-defined]

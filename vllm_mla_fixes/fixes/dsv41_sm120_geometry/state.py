@@ -17,8 +17,13 @@ _state: dict[str, Any] = {
     # Compress ratios of the caches the fix's spec producers made (> 1 only):
     # the warm-up adds its 64-state key for these and no other.
     "owned_ratios": set(),
-    # Prefixes of the drafter sliding-window caches built with 128-row pages.
+    # Prefixes of the drafter sliding-window caches built with 128-row pages,
+    # and of those planning then narrowed to 64 (drafter_pages).
     "drafter_swa_caches": set(),
+    "drafter_swa_narrowed": set(),
+    "planning_drafter_rows": False,
+    # The last planned choice: (rows, why), for status.
+    "drafter_rows": None,
 }
 
 
