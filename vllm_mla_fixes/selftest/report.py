@@ -82,6 +82,21 @@ class Report:
     timing: list[StepCost] = field(default_factory=list)
     cannot_run: str | None = None
     notes: list[str] = field(default_factory=list)
+    isolated: bool = False  # each geometry ran in a process of its own
+
+    def findings(self) -> list[str]:
+        """What the run found beyond the verdicts: each crash, and whether the
+        other geometries' verdicts can depend on it."""
+        lines = []
+        for r in self.results:
+            if r.aborted is not None and r.crashed_in is not None:
+                scope = (
+                    "it ran in a process of its own, so no other geometry's verdict depends on it"
+                    if self.isolated
+                    else "the geometries after it ran in the same process"
+                )
+                lines.append(f"geometry {r.geometry} crashed in {r.crashed_in}; {scope}")
+        return lines
 
     @property
     def exit_status(self) -> int:
@@ -101,6 +116,8 @@ class Report:
             "exit_status": self.exit_status,
             "cannot_run": self.cannot_run,
             "notes": self.notes,
+            "isolated": self.isolated,
+            "findings": self.findings(),
             "kernels": dict(self.kernels.sources),
             "geometries": [
                 {
@@ -111,6 +128,7 @@ class Report:
                     "block_size": r.block_size,
                     "status": r.status,
                     "aborted": r.aborted,
+                    "crashed_in": r.crashed_in,
                     "seconds": round(r.seconds, 1),
                     "stray_bytes": r.stray_bytes,
                     "foreign_bytes": r.foreign_bytes,
@@ -227,6 +245,7 @@ class Report:
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
+        lines += [f"finding: {finding}" for finding in self.findings()]
         if stand_ins:
             lines.append(
                 "stand-ins on this device (their rows prove the layout against a "
