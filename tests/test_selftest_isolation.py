@@ -1,4 +1,4 @@
-"""The self-test's geometries are isolated from each other (issue 27).
+"""The self-test's geometries are isolated from each other, and ``--jobs`` on a GPU (issue 27).
 
 * A CUDA-style fault in one geometry leaves the others' verdicts intact, and
   the report names the geometry and the kernel.  On CPU: ``vllm-mla-fixes
@@ -8,6 +8,8 @@
   illegal-memory-access error, sticky as on a GPU: every later kernel call in
   that process raises it too; (b) kills upstream's process in its SWA writer.
   The control's entry must equal the one of a run without either fault.
+* ``--jobs 2`` where a GPU is visible (the device detection answers with an
+  H200) is refused with one line that names the cause and the way out.
 * Upstream's layout runs last.
 """
 
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_mla_fixes.selftest import kernels as kn
 from vllm_mla_fixes.selftest import plan_geometries
@@ -167,3 +170,22 @@ def test_upstream_runs_last():
 
     names, _ = plan_geometries(detect_device(), ("split", "fallback", "upstream", "control"))
     assert names == ("split", "fallback", "control", "upstream")
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_jobs_on_a_visible_gpu_is_refused_in_one_line(monkeypatch, capsys):
+    from vllm_mla_fixes import cli
+
+    h200 = kn.Device("cuda", torch.device("cuda", 0), "NVIDIA H200", (9, 0))
+    monkeypatch.setattr(kn, "detect_device", lambda: h200)
+    refusal = (
+        "cannot run: --jobs 2: on a GPU (NVIDIA H200 (SM90)) the geometries run one after "
+        "another, each in a process of its own, so that they do not share the GPU or "
+        "disturb each other's timings; leave out --jobs (or pass --jobs 1)"
+    )
+    assert cli.main(["selftest", "--jobs", "2", "--no-timing"]) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == refusal and "Traceback" not in out + err
+    assert cli.main(["selftest", "--json", "--jobs", "2", "--no-timing"]) == 2
+    document = json.loads(capsys.readouterr().out)
+    assert "cannot run: " + document["cannot_run"] == refusal

@@ -93,6 +93,17 @@ def plan_geometries(
     return names, notes
 
 
+def jobs_problem(device: Device, jobs: int | None) -> str | None:
+    """Why ``--jobs`` cannot be honoured on ``device``, or None."""
+    if device.kind == "cpu" or jobs is None or jobs == 1:
+        return None
+    return (
+        f"--jobs {jobs}: on a GPU ({device.label}) the geometries run one after "
+        "another, each in a process of its own, so that they do not share the GPU "
+        "or disturb each other's timings; leave out --jobs (or pass --jobs 1)"
+    )
+
+
 def run_selftest(
     geometries: tuple[str, ...] | None = None, jobs: int | None = None, timing: bool = True
 ) -> Report:
@@ -106,7 +117,7 @@ def run_selftest(
     device = detect_device()
     kernels = Kernels.for_device(device)
     report = Report(str(vllm.__version__), device, kernels, [])
-    report.cannot_run = _preflight(device)
+    report.cannot_run = jobs_problem(device, jobs) or _preflight(device)
     if report.cannot_run is not None:
         return report
     names, report.notes = plan_geometries(device, geometries or DEFAULT_GEOMETRIES)
