@@ -10,7 +10,9 @@
   The control's entry must equal the one of a run without either fault.
 * ``--jobs 2`` where a GPU is visible (the device detection answers with an
   H200) is refused with one line that names the cause and the way out.
-* Upstream's layout runs last.
+* Upstream's layout runs on an SM12x GPU, the device it is laid out for, and
+  last; on another GPU it is left out with a note.  Its result there is a
+  finding, and the exit status stays about the fix's layouts.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_mla_fixes.selftest import harness, plan_geometries
 from vllm_mla_fixes.selftest import kernels as kn
-from vllm_mla_fixes.selftest import plan_geometries
+from vllm_mla_fixes.selftest.timeline import CASES
 
 ROOT = Path(__file__).resolve().parents[1]
 DSV41 = ("0.32.0", "0.33.0", "0.34.0")
@@ -152,6 +155,7 @@ def test_a_process_that_dies_is_named_with_the_kernel_it_was_in(faulted_and_clea
         f"its process was killed by SIGKILL in {kn.SWA_WRITER} without reporting"
     )
     assert upstream["verdict"] == "bug reproduced"
+    assert "upstream" not in report["working_layouts"]
 
 
 @pytest.mark.vllm_release(*DSV41)
@@ -165,18 +169,76 @@ def test_other_geometries_verdicts_are_intact(faulted_and_clean):
     assert control["verdict"] == _geometry(clean, "control")["verdict"]
 
 
-def test_upstream_runs_last():
-    from vllm_mla_fixes.selftest.kernels import detect_device
+def _device(kind: str, capability: tuple[int, int] | None) -> kn.Device:
+    if kind == "cpu":
+        return kn.Device("cpu", torch.device("cpu"), "CPU")
+    name = "NVIDIA RTX PRO 6000 Blackwell" if kind == "sm12x" else "NVIDIA H200"
+    return kn.Device(kind, torch.device("cuda", 0), name, capability)
 
-    names, _ = plan_geometries(detect_device(), ("split", "fallback", "upstream", "control"))
-    assert names == ("split", "fallback", "control", "upstream")
+
+def test_upstream_runs_last_on_its_own_sm12x_gpu_and_is_left_out_on_another():
+    everything = ("split", "fallback", "upstream", "control")
+    for kind, capability in (("sm12x", (12, 0)), ("cpu", None)):
+        names, notes = plan_geometries(_device(kind, capability), everything)
+        assert (names, notes) == (("split", "fallback", "control", "upstream"), []), kind
+    names, notes = plan_geometries(_device("cuda", (9, 0)), everything)
+    assert names == ("split", "fallback", "control")
+    assert notes == [
+        "upstream's SM12x layout is not run on this GPU: vLLM lays out upstream's "
+        "caches for the device it runs on, and this is not an SM12x GPU"
+    ]
+
+
+def _result(name: str, failed_case: str | None = None, block_size: int = 64):
+    result = harness.new_result(name)
+    result.block_size = block_size
+    for case, tally in result.cases.items():
+        tally.note(0.0)
+        if failed_case in (case, "all"):
+            tally.fail("step: off")
+    return result
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("upstream_fails", [False, True])
+def test_upstream_on_an_sm12x_gpu_is_a_finding_not_the_exit_status(upstream_fails):
+    from vllm_mla_fixes.selftest.report import Report
+
+    device = _device("cpu", None)
+    kernels = kn.Kernels.for_device(device)
+    gpu = _device("sm12x", (12, 0))
+    upstream = _result("upstream", next(iter(CASES)) if upstream_fails else None, block_size=128)
+    report = Report(
+        "0.34.0",
+        gpu,
+        kernels,
+        [_result("split"), _result("control", "all"), upstream],
+        isolated=True,
+    )
+    assert report.exit_status == 0
+    text = report.text()
+    works = "layouts that work on NVIDIA RTX PRO 6000 Blackwell (SM120): split (" in text
+    assert works
+    if upstream_fails:
+        finding = (
+            "finding: upstream's own layout (--block-size 128) fails on this GPU: "
+            "serve with the fix's layout"
+        )
+        assert report.as_json()["working_layouts"] == ["split"]
+    else:
+        finding = (
+            "finding: upstream's own layout (--block-size 128) is exact on this GPU: "
+            "it needs no fix here"
+        )
+        assert report.as_json()["working_layouts"] == ["split", "upstream"]
+    assert finding in text.splitlines()
 
 
 @pytest.mark.vllm_release(*DSV41)
 def test_jobs_on_a_visible_gpu_is_refused_in_one_line(monkeypatch, capsys):
     from vllm_mla_fixes import cli
 
-    h200 = kn.Device("cuda", torch.device("cuda", 0), "NVIDIA H200", (9, 0))
+    h200 = _device("cuda", (9, 0))
     monkeypatch.setattr(kn, "detect_device", lambda: h200)
     refusal = (
         "cannot run: --jobs 2: on a GPU (NVIDIA H200 (SM90)) the geometries run one after "

@@ -82,11 +82,12 @@ def plan_geometries(
     names = tuple(g for g in requested if g != "upstream")
     if "upstream" in requested:
         if device.kind == "cuda":
-            # vLLM lays out upstream's caches for the device it runs on; upstream's
-            # SM12x layout needs an SM12x GPU (or the CPU's SM120 stand-in platform).
+            # vLLM lays out upstream's caches for the device it runs on: on an
+            # SM12x GPU that is upstream's SM12x layout itself (the definitive
+            # answer there); on another GPU it is not the layout in question.
             notes.append(
                 "upstream's SM12x layout is not run on this GPU: vLLM lays out "
-                "upstream's caches for the device it runs on"
+                "upstream's caches for the device it runs on, and this is not an SM12x GPU"
             )
         else:
             names += ("upstream",)

@@ -84,9 +84,15 @@ class Report:
     notes: list[str] = field(default_factory=list)
     isolated: bool = False  # each geometry ran in a process of its own
 
+    def working_layouts(self) -> list[GeometryResult]:
+        """The layouts that read back as written here: the fix's that pass, and
+        upstream's where it ran without a failure."""
+        return [r for r in self.results if geometry_verdict(r) in (PASS, NO_BUG)]
+
     def findings(self) -> list[str]:
-        """What the run found beyond the verdicts: each crash, and whether the
-        other geometries' verdicts can depend on it."""
+        """What the run found beyond the exit status: each crash, and upstream's
+        own layout on this device (information, not a failure: the exit status
+        is about the fix's layouts and the control)."""
         lines = []
         for r in self.results:
             if r.aborted is not None and r.crashed_in is not None:
@@ -96,6 +102,21 @@ class Report:
                     else "the geometries after it ran in the same process"
                 )
                 lines.append(f"geometry {r.geometry} crashed in {r.crashed_in}; {scope}")
+        gpu = self.device.kind != "cpu"
+        where = "this GPU" if gpu else "the CPU's simulated SM120"
+        for r in self.results:
+            if r.role != "upstream":
+                continue
+            if geometry_verdict(r) == NO_BUG:
+                lines.append(
+                    f"upstream's own layout (--block-size {r.block_size}) is exact on {where}"
+                    + (": it needs no fix here" if gpu else "")
+                )
+            else:
+                lines.append(
+                    f"upstream's own layout (--block-size {r.block_size}) fails on {where}: "
+                    "serve with the fix's layout"
+                )
         return lines
 
     @property
@@ -118,6 +139,7 @@ class Report:
             "notes": self.notes,
             "isolated": self.isolated,
             "findings": self.findings(),
+            "working_layouts": [r.geometry for r in self.working_layouts()],
             "kernels": dict(self.kernels.sources),
             "geometries": [
                 {
@@ -259,6 +281,8 @@ class Report:
                 "attach this output (or --json) to a bug report",
             }[self.exit_status]
         )
+        working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
+        lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
 
 
