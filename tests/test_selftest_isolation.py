@@ -154,7 +154,7 @@ def test_a_process_that_dies_is_named_with_the_kernel_it_was_in(faulted_and_clea
     assert upstream["aborted"] == (
         f"its process was killed by SIGKILL in {kn.SWA_WRITER} without reporting"
     )
-    assert upstream["verdict"] == "bug reproduced"
+    assert upstream["verdict"] == "bug reproduced" and upstream["seconds"] > 0
     assert "upstream" not in report["working_layouts"]
 
 

@@ -327,6 +327,9 @@ class Run:
             if is_device_fault(exc):
                 raise DeviceFault(kernel, plan.name, error) from exc
             return False
+        finally:
+            if self.entering is not None:
+                self.entering("")
         return True
 
     def problem(self, plan: StepPlan, kernel: str | None, text: str) -> None:
@@ -876,7 +879,8 @@ def run_geometry(
 ) -> GeometryResult:
     """Replay the timeline (or its first ``plans``) on one geometry; never
     raises for what it finds.  ``entering`` is told each kernel before it is
-    called (a process that dies in a kernel is charged to it)."""
+    called and ``""`` after it returns (a process that dies in a kernel is
+    charged to it)."""
     geometry = GEOMETRIES[name]
     model = model or TinyModel()
     if not geometry.via_plugin:

@@ -5,8 +5,8 @@ every later call in that process fails too.  Run in one process, a fault in
 one layout would fail every layout after it and the verdict would blame the
 wrong one.  Here each geometry runs in a spawned process; the parent keeps
 the results of those that report and, for one that dies without reporting
-(a segfault, the OOM killer), names the kernel it had entered (each process
-writes the kernel it is about to call into a shared buffer).
+(a segfault, the OOM killer), names the kernel it was in (each process
+writes the kernel it is in into a buffer it shares with the parent).
 
 On a GPU the processes keep the GPU: the CPU environment
 (:func:`.env.prepare_process_env`) is set only where the device is the CPU.
@@ -18,6 +18,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.connection
 import signal
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ def run_isolated(names: tuple[str, ...], device: Device, jobs: int) -> list[Geom
     the order of ``names``."""
     context = multiprocessing.get_context("spawn")
     waiting = list(names)
-    running: dict[Any, tuple[str, Any, Any]] = {}  # receiving end: name, process, kernel
+    # receiving end: name, process, the kernel it entered, when it started
+    running: dict[Any, tuple[str, Any, Any, float]] = {}
     results: dict[str, GeometryResult] = {}
     while waiting or running:
         while waiting and len(running) < jobs:
@@ -46,10 +48,10 @@ def run_isolated(names: tuple[str, ...], device: Device, jobs: int) -> list[Geom
             )
             process.start()
             sender.close()  # the child's end: the parent then sees EOF when the child dies
-            running[receiver] = (name, process, entered)
+            running[receiver] = (name, process, entered, time.monotonic())
         ready: list[Any] = multiprocessing.connection.wait(list(running))
         for receiver in ready:
-            name, process, entered = running.pop(receiver)
+            name, process, entered, started = running.pop(receiver)
             try:
                 result = receiver.recv()
             except EOFError:
@@ -58,6 +60,7 @@ def run_isolated(names: tuple[str, ...], device: Device, jobs: int) -> list[Geom
             process.join()
             if result is None:
                 result = _died(name, process.exitcode, entered.value.decode(errors="replace"))
+                result.seconds = time.monotonic() - started
             results[name] = result
     return [results[name] for name in names]
 
@@ -87,7 +90,7 @@ def _died(name: str, exitcode: int | None, kernel: str) -> GeometryResult:
             how = f"was killed by signal {-exitcode}"
     else:
         how = f"exited with status {exitcode}"
-    where = f" in {kernel}" if kernel else " before it called a kernel"
+    where = f" in {kernel}" if kernel else " outside the kernel calls"
     result.aborted = f"its process {how}{where} without reporting"
     result.crashed_in = kernel or None
     return result

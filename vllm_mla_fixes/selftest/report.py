@@ -109,12 +109,12 @@ class Report:
                 continue
             if geometry_verdict(r) == NO_BUG:
                 lines.append(
-                    f"upstream's own layout (--block-size {r.block_size}) is exact on {where}"
+                    f"upstream's own layout{_block_size(r)} is exact on {where}"
                     + (": it needs no fix here" if gpu else "")
                 )
             else:
                 lines.append(
-                    f"upstream's own layout (--block-size {r.block_size}) fails on {where}: "
+                    f"upstream's own layout{_block_size(r)} fails on {where}: "
                     "serve with the fix's layout"
                 )
         return lines
@@ -228,9 +228,11 @@ class Report:
         for result in self.results:
             verdict = geometry_verdict(result)
             failed = result.failed_cases()
+            size = (
+                f"--block-size {result.block_size}" if result.block_size else "block size unknown"
+            )
             lines.append(
-                f"[{result.geometry}] {result.title}: {verdict} "
-                f"(--block-size {result.block_size}, {result.seconds:.0f} s)"
+                f"[{result.geometry}] {result.title}: {verdict} ({size}, {result.seconds:.0f} s)"
             )
             if result.status:
                 lines.append(f"    fix: {result.status}")
@@ -284,6 +286,11 @@ class Report:
         working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
         lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
+
+
+def _block_size(result: GeometryResult) -> str:
+    """`` (--block-size N)``, or nothing where the run died before it laid out its caches."""
+    return f" (--block-size {result.block_size})" if result.block_size else ""
 
 
 def _num(value: float | None):
