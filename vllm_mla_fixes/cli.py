@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs",
         type=arguments.positive_int,
         default=None,
-        help="geometries run in parallel processes, 1 or more (CPU only; default: cores)",
+        help="geometries run in parallel processes, 1 or more (CPU only, default: cores; "
+        "on a GPU they run one after another, each in a process of its own)",
     )
     selftest.add_argument(
         "--no-timing", action="store_true", help="skip timing the per-step slot translation"

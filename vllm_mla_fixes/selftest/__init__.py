@@ -15,8 +15,11 @@ reference, and a sentinel fill accounts for every byte (:mod:`.harness`).
 Geometries: the fix's default (interleaved split) and its fallback (per-ratio)
 must pass; the control (the split with untranslated ratio-1 writer slots, the
 bug class of vLLM PR #56509) must be caught in every case; upstream's own
-layout is run where it starts, for information.  Exit status: 0 pass, 1 a
-mismatch or a missed control, 2 cannot run here (the reason is printed).
+layout is run where it starts, for information, and last.  On a GPU each
+geometry runs in a process of its own (:mod:`.isolation`), as on a CPU with
+more than one job, so a CUDA fault in one layout cannot change another's
+verdict.  Exit status: 0 pass, 1 a mismatch or a missed control, 2 cannot run
+here (the reason is printed).
 
 On a machine without a GPU call :func:`.env.prepare_process_env` before vLLM is
 imported (the CLI does): vLLM's Triton kernels then run in Triton's interpreter.
@@ -24,21 +27,18 @@ imported (the CLI does): vLLM's Triton kernels then run in Triton's interpreter.
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
 import os
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .harness import GeometryResult
     from .kernels import Device
     from .report import Report
 
 from .verdicts import EXIT_OK
 
-DEFAULT_GEOMETRIES = ("split", "fallback", "upstream", "control")
+DEFAULT_GEOMETRIES = ("split", "fallback", "control", "upstream")
 
 
 def _preflight(device: Device) -> str | None:
@@ -72,23 +72,43 @@ def _preflight(device: Device) -> str | None:
     return None
 
 
-def _run_one(name: str, device: Device) -> GeometryResult:
-    from .harness import run_geometry
+def plan_geometries(
+    device: Device, requested: tuple[str, ...]
+) -> tuple[tuple[str, ...], list[str]]:
+    """The geometries to run on ``device``, in the order they run, and notes on
+    any left out.  Upstream's layout runs after the others: even where they
+    share a process (a CPU run with one job), a fault in it comes after their rows."""
+    notes = []
+    names = tuple(g for g in requested if g != "upstream")
+    if "upstream" in requested:
+        if device.kind == "cuda":
+            # vLLM lays out upstream's caches for the device it runs on: on an
+            # SM12x GPU that is upstream's SM12x layout itself (the definitive
+            # answer there); on another GPU it is not the layout in question.
+            notes.append(
+                "upstream's SM12x layout is not run on this GPU: vLLM lays out "
+                "upstream's caches for the device it runs on, and this is not an SM12x GPU"
+            )
+        else:
+            names += ("upstream",)
+    return names, notes
 
-    return run_geometry(name, device)
 
-
-def _init_cpu_worker() -> None:
-    from .env import prepare_process_env
-
-    prepare_process_env()
+def jobs_problem(device: Device, jobs: int | None) -> str | None:
+    """Why ``--jobs`` cannot be honoured on ``device``, or None."""
+    if device.kind == "cpu" or jobs is None or jobs == 1:
+        return None
+    return (
+        f"--jobs {jobs}: on a GPU ({device.label}) the geometries run one after "
+        "another, each in a process of its own, so that they do not share the GPU "
+        "or disturb each other's timings; leave out --jobs (or pass --jobs 1)"
+    )
 
 
 def run_selftest(
     geometries: tuple[str, ...] | None = None, jobs: int | None = None, timing: bool = True
 ) -> Report:
     """Run the self-test on the local device; never raises for what it finds."""
-    geometries = geometries or DEFAULT_GEOMETRIES
     import vllm
 
     from .kernels import Kernels, detect_device
@@ -98,28 +118,21 @@ def run_selftest(
     device = detect_device()
     kernels = Kernels.for_device(device)
     report = Report(str(vllm.__version__), device, kernels, [])
-    report.cannot_run = _preflight(device)
+    report.cannot_run = jobs_problem(device, jobs) or _preflight(device)
     if report.cannot_run is not None:
         return report
-    if device.kind == "cuda" and "upstream" in geometries:
-        # vLLM lays out upstream's caches for the device it runs on; upstream's
-        # SM12x layout needs an SM12x GPU (or the CPU's SM120 stand-in platform).
-        geometries = tuple(g for g in geometries if g != "upstream")
-        report.notes.append(
-            "upstream's SM12x layout is not run on this GPU: vLLM lays out "
-            "upstream's caches for the device it runs on"
-        )
-    jobs = jobs or (min(len(geometries), os.cpu_count() or 1) if device.kind == "cpu" else 1)
-    if jobs > 1:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            jobs, mp_context=context, initializer=_init_cpu_worker
-        ) as pool:
-            report.results = list(pool.map(_run_one, geometries, [device] * len(geometries)))
+    names, report.notes = plan_geometries(device, geometries or DEFAULT_GEOMETRIES)
+    if device.kind == "cpu":
+        jobs = jobs or min(len(names), os.cpu_count() or 1)
+    report.isolated = device.kind != "cpu" or (jobs or 1) > 1
+    if report.isolated:
+        from .isolation import run_isolated
+
+        report.results = run_isolated(names, device, jobs or 1)
     else:
         from .harness import run_geometry
 
-        report.results = [run_geometry(name, device, kernels) for name in geometries]
+        report.results = [run_geometry(name, device, kernels) for name in names]
     if timing:
         try:
             report.timing = slot_translation_cost(device)

@@ -27,6 +27,7 @@ import contextlib
 import random
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ class GeometryResult:
     reused_blocks: int = 0
     offloaded_bytes: int = 0  # bytes copied out and back by the offload-reload case
     aborted: str | None = None
+    crashed_in: str | None = None  # the kernel of a device fault (or of its process's death)
     seconds: float = 0.0
 
     def kernel(self, name: str) -> Tally:
@@ -115,6 +117,34 @@ class GeometryResult:
             and not self.tiling_problems
             and self.slot_mismatches == 0
         )
+
+
+def new_result(name: str) -> GeometryResult:
+    """An empty result for geometry ``name``, every case listed."""
+    geometry = GEOMETRIES[name]
+    result = GeometryResult(geometry.name, geometry.title, geometry.role)
+    for case in CASES:
+        result.case(case)
+    return result
+
+
+class DeviceFault(Exception):
+    """A kernel call failed with a CUDA error.  Such an error (an illegal
+    address, a launch failure) is sticky: every later call in the process fails
+    too, so the geometry stops at the kernel that raised it."""
+
+    def __init__(self, kernel: str, step: str, error: str):
+        super().__init__(f"device fault in {kernel} at step '{step}': {error}")
+        self.kernel = kernel
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error (PyTorch's, or one Triton raises at launch)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return any(mark in text for mark in ("CUDA error", "CUDA driver error", "Triton Error [CUDA]"))
 
 
 # ------------------------------------------------------------------ inputs
@@ -172,8 +202,16 @@ class Inputs:
 
 
 class Run:
-    def __init__(self, layout: Layout, kernels: kn.Kernels, result: GeometryResult, seed: int):
+    def __init__(
+        self,
+        layout: Layout,
+        kernels: kn.Kernels,
+        result: GeometryResult,
+        seed: int,
+        entering: Callable[[str], None] | None = None,
+    ):
         self.layout = layout
+        self.entering = entering
         self.kernels = kernels
         self.result = result
         self.model = layout.model
@@ -273,6 +311,27 @@ class Run:
                 rows[first:end] = inputs.randn(end - first, rows.shape[1])
         self.dense = {key: rows for key, rows in self.dense.items() if key[1] != name}
 
+    def call(self, plan: StepPlan, kernel: str, where: str, run: Callable[[], object]) -> bool:
+        """One kernel call; its failure is a finding on ``kernel`` (False).  On a
+        GPU the call is synchronised, so that an asynchronous fault is charged to
+        the kernel that caused it; a CUDA error ends the geometry (:class:`DeviceFault`)."""
+        if self.entering is not None:
+            self.entering(kernel)
+        try:
+            run()
+            if self.layout.device.type == "cuda":
+                torch.cuda.synchronize(self.layout.device)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.problem(plan, kernel, f"{where}: {error}")
+            if is_device_fault(exc):
+                raise DeviceFault(kernel, plan.name, error) from exc
+            return False
+        finally:
+            if self.entering is not None:
+                self.entering("")
+        return True
+
     def problem(self, plan: StepPlan, kernel: str | None, text: str) -> None:
         line = f"{plan.name}: {text}"
         if kernel is not None:
@@ -311,9 +370,15 @@ class Run:
         stale = (storage != 0) & (storage != SENTINEL) & rows
         self.result.stale_bytes_zeroed += int(stale.sum())
         before = storage.clone()
-        self.layout.zeroer.zero_block_ids(batch.new_block_ids)
         tally = self.result.kernel(kn.ZEROER)
         tally.writes += 1
+        if not self.call(
+            plan,
+            kn.ZEROER,
+            "new blocks",
+            lambda: self.layout.zeroer.zero_block_ids(batch.new_block_ids),
+        ):
+            return
         foreign = int(((storage != before) & ~pages).sum())
         tally.foreign_bytes += foreign
         if foreign:
@@ -377,10 +442,7 @@ class Run:
         before = storage.clone()
         tally = self.result.kernel(kernel)
         tally.writes += 1
-        try:
-            write()
-        except Exception as exc:  # a refused or failed write is a finding, not a crash
-            self.problem(plan, kernel, f"{cache.name}: {type(exc).__name__}: {exc}")
+        if not self.call(plan, kernel, cache.name, write):  # a refused write is a finding
             return
         foreign = int(((storage != before) & ~self.own_mask(cache, names, block_ids)).sum())
         if foreign:
@@ -594,10 +656,7 @@ class Run:
                 )
             )
         for kernel, call in calls:
-            try:
-                call()
-            except Exception as exc:
-                self.problem(plan, kernel, f"layer {layer}: {type(exc).__name__}: {exc}")
+            if not self.call(plan, kernel, f"layer {layer}", call):
                 return
         got = out.float().cpu()
         q_cpu = q.cpu()
@@ -678,36 +737,33 @@ class Run:
             q_fp8 = (q * 64).to(torch.float8_e4m3fn)
             weights = torch.rand(batch_size, model.index_heads, generator=self.inputs.gen)
             max_len = model.max_model_len // cache.ratio
-            try:
+            read: dict[str, torch.Tensor] = {}
+
+            def paged_logits() -> None:
                 # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
-                logits = (
-                    self.kernels.paged_logits(
-                        q_fp8.to(device),
-                        view.unsqueeze(-2),
-                        weights.to(device),
-                        decode.seq_lens,
-                        decode.block_table,
-                        decode.schedule_metadata,
-                        max_len,
-                    )
-                    .float()
-                    .cpu()
+                read["logits"] = self.kernels.paged_logits(
+                    q_fp8.to(device),
+                    view.unsqueeze(-2),
+                    weights.to(device),
+                    decode.seq_lens,
+                    decode.block_table,
+                    decode.schedule_metadata,
+                    max_len,
                 )
-            except Exception as exc:
-                self.problem(plan, kn.INDEXER_LOGITS, f"{cache.name}: {type(exc).__name__}: {exc}")
-                logits = None
-            lens = decode.seq_lens.cpu()
-            for b in range(min(batch_size, len(spans)) if logits is not None else 0):
-                r = spans[b][0]
-                count = int(lens[b, 0])
-                if count <= 0:
-                    continue
-                keys = self.dense_index_keys(batch.names[r], cache.layer, cache.ratio, count)
-                dense = ref.index_logits(q_fp8[b, 0], weights[b], keys)
-                self.note(
-                    plan, kn.INDEXER_LOGITS, self.error(kn.INDEXER_LOGITS, logits[b, :count], dense)
-                )
-                self.compare_topk(plan, logits[b, :count], dense)
+
+            if self.call(plan, kn.INDEXER_LOGITS, cache.name, paged_logits):
+                logits = read["logits"].float().cpu()
+                lens = decode.seq_lens.cpu()
+                for b in range(min(batch_size, len(spans))):
+                    r = spans[b][0]
+                    count = int(lens[b, 0])
+                    if count <= 0:
+                        continue
+                    keys = self.dense_index_keys(batch.names[r], cache.layer, cache.ratio, count)
+                    dense = ref.index_logits(q_fp8[b, 0], weights[b], keys)
+                    error = self.error(kn.INDEXER_LOGITS, logits[b, :count], dense)
+                    self.note(plan, kn.INDEXER_LOGITS, error)
+                    self.compare_topk(plan, logits[b, :count], dense)
         if imd.prefill is None:
             return
         for chunk in imd.prefill.chunks:
@@ -716,12 +772,11 @@ class Run:
             total = int(chunk.local_total_seq_lens)
             dst_k = torch.zeros(total, 128, dtype=torch.float8_e4m3fn, device=device)
             dst_scale = torch.zeros(total, 4, dtype=torch.uint8, device=device)
-            try:
-                self.kernels.gather_k(
-                    view, dst_k, dst_scale, chunk.block_table, chunk.local_cu_seq_lens
-                )
-            except Exception as exc:
-                self.problem(plan, kn.INDEXER_GATHER, f"{cache.name}: {type(exc).__name__}: {exc}")
+
+            def gather(k=dst_k, scale=dst_scale, c=chunk) -> None:
+                self.kernels.gather_k(view, k, scale, c.block_table, c.local_cu_seq_lens)
+
+            if not self.call(plan, kn.INDEXER_GATHER, cache.name, gather):
                 continue
             got = dst_k.float().cpu() * dst_scale.cpu().view(torch.float32)
             cu = chunk.local_cu_seq_lens.tolist()
@@ -820,17 +875,18 @@ def run_geometry(
     model: TinyModel | None = None,
     seed: int = 0,
     plans: tuple[StepPlan, ...] = TIMELINE,
+    entering: Callable[[str], None] | None = None,
 ) -> GeometryResult:
     """Replay the timeline (or its first ``plans``) on one geometry; never
-    raises for what it finds."""
+    raises for what it finds.  ``entering`` is told each kernel before it is
+    called and ``""`` after it returns (a process that dies in a kernel is
+    charged to it)."""
     geometry = GEOMETRIES[name]
     model = model or TinyModel()
     if not geometry.via_plugin:
         model = model.without_drafter()
     kernels = kernels or kn.Kernels.for_device(device)
-    result = GeometryResult(geometry.name, geometry.title, geometry.role)
-    for case in CASES:
-        result.case(case)
+    result = new_result(name)
     start = time.monotonic()
     cpu = device.kind == "cpu"
     host = simulated_sm120_host() if cpu else contextlib.nullcontext()
@@ -846,10 +902,13 @@ def run_geometry(
 
                 result.status = f"{applied.status.reason}; {fix.status_detail()}"
             result.tiling_problems = tiling_problems(layout)
-            run = Run(layout, kernels, result, seed)
+            run = Run(layout, kernels, result, seed, entering)
             for plan in plans:
                 run.step(plan)
             result.stray_bytes = run.stray_bytes()
+    except DeviceFault as fault:
+        result.aborted = str(fault)
+        result.crashed_in = fault.kernel
     except Exception as exc:
         result.aborted = f"{type(exc).__name__}: {exc}"
         result.layout.append(traceback.format_exc(limit=6))

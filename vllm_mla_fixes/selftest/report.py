@@ -82,6 +82,42 @@ class Report:
     timing: list[StepCost] = field(default_factory=list)
     cannot_run: str | None = None
     notes: list[str] = field(default_factory=list)
+    isolated: bool = False  # each geometry ran in a process of its own
+
+    def working_layouts(self) -> list[GeometryResult]:
+        """The layouts that read back as written here: the fix's that pass, and
+        upstream's where it ran without a failure."""
+        return [r for r in self.results if geometry_verdict(r) in (PASS, NO_BUG)]
+
+    def findings(self) -> list[str]:
+        """What the run found beyond the exit status: each crash, and upstream's
+        own layout on this device (information, not a failure: the exit status
+        is about the fix's layouts and the control)."""
+        lines = []
+        for r in self.results:
+            if r.aborted is not None and r.crashed_in is not None:
+                scope = (
+                    "it ran in a process of its own, so no other geometry's verdict depends on it"
+                    if self.isolated
+                    else "the geometries after it ran in the same process"
+                )
+                lines.append(f"geometry {r.geometry} crashed in {r.crashed_in}; {scope}")
+        gpu = self.device.kind != "cpu"
+        where = "this GPU" if gpu else "the CPU's simulated SM120"
+        for r in self.results:
+            if r.role != "upstream":
+                continue
+            if geometry_verdict(r) == NO_BUG:
+                lines.append(
+                    f"upstream's own layout{_block_size(r)} is exact on {where}"
+                    + (": it needs no fix here" if gpu else "")
+                )
+            else:
+                lines.append(
+                    f"upstream's own layout{_block_size(r)} fails on {where}: "
+                    "serve with the fix's layout"
+                )
+        return lines
 
     @property
     def exit_status(self) -> int:
@@ -101,6 +137,9 @@ class Report:
             "exit_status": self.exit_status,
             "cannot_run": self.cannot_run,
             "notes": self.notes,
+            "isolated": self.isolated,
+            "findings": self.findings(),
+            "working_layouts": [r.geometry for r in self.working_layouts()],
             "kernels": dict(self.kernels.sources),
             "geometries": [
                 {
@@ -111,6 +150,7 @@ class Report:
                     "block_size": r.block_size,
                     "status": r.status,
                     "aborted": r.aborted,
+                    "crashed_in": r.crashed_in,
                     "seconds": round(r.seconds, 1),
                     "stray_bytes": r.stray_bytes,
                     "foreign_bytes": r.foreign_bytes,
@@ -188,9 +228,11 @@ class Report:
         for result in self.results:
             verdict = geometry_verdict(result)
             failed = result.failed_cases()
+            size = (
+                f"--block-size {result.block_size}" if result.block_size else "block size unknown"
+            )
             lines.append(
-                f"[{result.geometry}] {result.title}: {verdict} "
-                f"(--block-size {result.block_size}, {result.seconds:.0f} s)"
+                f"[{result.geometry}] {result.title}: {verdict} ({size}, {result.seconds:.0f} s)"
             )
             if result.status:
                 lines.append(f"    fix: {result.status}")
@@ -227,6 +269,7 @@ class Report:
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
+        lines += [f"finding: {finding}" for finding in self.findings()]
         if stand_ins:
             lines.append(
                 "stand-ins on this device (their rows prove the layout against a "
@@ -240,7 +283,14 @@ class Report:
                 "attach this output (or --json) to a bug report",
             }[self.exit_status]
         )
+        working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
+        lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
+
+
+def _block_size(result: GeometryResult) -> str:
+    """`` (--block-size N)``, or nothing where the run died before it laid out its caches."""
+    return f" (--block-size {result.block_size})" if result.block_size else ""
 
 
 def _num(value: float | None):
