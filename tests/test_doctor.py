@@ -63,6 +63,7 @@ def test_glm_line_on_025_is_covered_and_enforce_eager_is_called_out():
         "topic": "fp8-ds-mla-reshape",
         "message": "the fix is applied in this environment",
         "advice": "run the same serve line",
+        "facts": None,
     }
     # the fix is applied: no WARN about the failure it covers beside that
     assert {f["level"] for f in findings} <= {"ok", "info"}, findings
