@@ -6,8 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import bounds as bd
 from . import kernels as kn
 from .harness import GeometryResult
+from .layout import TinyModel
 from .timeline import CASES
 from .timing import StepCost
 from .verdicts import (
@@ -33,6 +35,14 @@ class Row:
     foreign_bytes: int | None  # writers only
     verdict: str
     problems: list[str] = field(default_factory=list)
+    # what the row's error is held to: readers their worst relative error,
+    # writers their foreign bytes (exact); margin = error / bound
+    bound: bd.Bound = bd.WRITER_BOUND
+    margin: float = 0.0
+
+    @property
+    def error(self) -> float:
+        return self.max_error if self.max_error is not None else float(self.foreign_bytes or 0)
 
 
 def geometry_verdict(result: GeometryResult) -> str:
@@ -52,6 +62,12 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
             continue
         reader = kernel in kn.READERS
         bad = bool(tally.problems)
+        if reader:
+            bound = tally.bound or bd.bound_for(kernel, kernels, TinyModel.q_heads)
+            margin = tally.worst_margin
+        else:
+            bound = bd.WRITER_BOUND
+            margin = bd.margin(tally.foreign_bytes, bound.value)
         if result.role == "fix":
             verdict = FAIL if bad or (reader and not tally.compared) else PASS
         elif result.role == "control":
@@ -68,6 +84,8 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
                 None if reader else tally.foreign_bytes,
                 verdict,
                 list(tally.problems),
+                bound,
+                margin,
             )
         )
     return rows
@@ -124,6 +142,7 @@ class Report:
                         name: {
                             "compared": t.compared,
                             "worst_error": _num(t.worst),
+                            "worst_margin": _num(t.worst_margin),
                             "foreign_bytes": t.foreign_bytes,
                             "failed": bool(t.problems),
                             "problems": t.problems,
@@ -137,6 +156,11 @@ class Report:
                             "compared": row.compared,
                             "max_error": _num(row.max_error),
                             "foreign_bytes": row.foreign_bytes,
+                            "error": _num(row.error),
+                            "bound": row.bound.value,
+                            "margin": _num(row.margin),
+                            "measure": row.bound.measure,
+                            "bound_derivation": row.bound.formula,
                             "verdict": row.verdict,
                             "problems": row.problems,
                         }
@@ -165,7 +189,19 @@ class Report:
         ]
         if self.cannot_run is not None:
             return "\n".join([*lines, f"cannot run: {self.cannot_run}"])
-        table = [("geometry", "kernel", "source", "n", "max error", "foreign B", "verdict")]
+        table = [
+            (
+                "geometry",
+                "kernel",
+                "source",
+                "n",
+                "max error",
+                "foreign B",
+                "bound",
+                "error/bound",
+                "verdict",
+            )
+        ]
         for result in self.results:
             for row in rows_of(result, self.kernels):
                 table.append(
@@ -176,6 +212,8 @@ class Report:
                         str(row.compared),
                         "-" if row.max_error is None else f"{row.max_error:.2e}",
                         "-" if row.foreign_bytes is None else str(row.foreign_bytes),
+                        f"{row.bound.value:.3g}",
+                        f"{row.margin:.2f}",
                         row.verdict,
                     )
                 )
@@ -224,6 +262,7 @@ class Report:
                     f"    {what}, {cost.tokens} tokens: {cost.per_step_us:.1f} | "
                     f"{cost.map_to_kernel_block_table_us:.1f}"
                 )
+        lines += self.bound_lines()
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
@@ -241,6 +280,17 @@ class Report:
             }[self.exit_status]
         )
         return "\n".join(lines)
+
+    def bound_lines(self) -> list[str]:
+        """Each bound used in the table, with its derivation, once."""
+        seen: dict[str, bd.Bound] = {}
+        for result in self.results:
+            for row in rows_of(result, self.kernels):
+                seen.setdefault(row.kernel, row.bound)
+        lines = ["", "bounds (error/bound <= 1 passes; a wrong page reads 0.7 to 1e11):"]
+        for kernel, bound in seen.items():
+            lines.append(f"    {kernel}: {bound.value:.3g}, of {bound.measure}; {bound.formula}")
+        return lines
 
 
 def _num(value: float | None):
