@@ -1,9 +1,10 @@
-"""The self-test's derived bounds (issue 27).
+"""The self-test's derived bounds and its CPU timing line (issue 27).
 
 On CPU: each comparison of a short run of the self-test (the fix's default
 geometry, the timeline's first steps: chunked prefill, then a decode beside a
 prefix-hit prefill, which run all four readers and all four writers) reports
-its error, bound and margin, and stays within its bound.  The premises of the
+its error, bound and margin, and stays within its bound, and the kernel
+timing says "not timed (no GPU)".  The premises of the
 attention bound (FlashInfer rounds Q and P through e4m3) are read off the
 installed FlashInfer.
 """
@@ -92,6 +93,20 @@ def test_cpu_run_reports_each_comparisons_error_bound_and_margin(short_run):
     text = short_run["text"]
     assert "bound  error/bound" in text
     assert "indexer prefill K gather (cp_gather_indexer_k_quant_cache): 0, of max |got" in text
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_cpu_run_says_the_kernels_are_not_timed(short_run):
+    timing = short_run["json"]["decode_step_timing"]
+    assert timing["timed"] is False and timing["note"] == "not timed (no GPU)"
+    assert timing["us"] == {
+        "split": {
+            "attention decode (FlashInfer SM120 sparse MLA)": None,
+            "indexer decode logits + top-k (DeepGEMM paged MQA)": None,
+        }
+    }
+    assert set(timing["ratio_fix_over_upstream"].values()) == {None}
+    assert ": not timed (no GPU)" in short_run["text"]
 
 
 # ------------------------------------------------------------------ premises

@@ -24,6 +24,7 @@ verdict from the steps that exercise it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 import traceback
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import bounds as bd
+from . import clock
 from . import kernels as kn
 from . import reference as ref
 from .env import one_torch_thread, simulated_sm120_host
@@ -41,6 +43,9 @@ from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan,
 SENTINEL = 0xA5
 # How far a read may be off against the dense reference: :mod:`.bounds` derives
 # each comparison's bound from the formats (0 where nothing rounds differently).
+# The decode step whose kernel calls are timed on a GPU: a CUDA-graph padded
+# decode of two requests, the same batch in every geometry.
+TIMED_STEP = next(plan.name for plan in TIMELINE if "graph-padded" in plan.cases)
 
 
 # ------------------------------------------------------------------ results
@@ -91,6 +96,10 @@ class GeometryResult:
     reused_blocks: int = 0
     offloaded_bytes: int = 0  # bytes copied out and back by the offload-reload case
     aborted: str | None = None
+    # Median GPU time of one decode step's calls (every layer's attention
+    # decode, every indexer's logits), per kernel; None where not timed.
+    decode_step_us: dict[str, float | None] = field(default_factory=dict)
+    timing_note: str | None = None  # why a kernel was not timed
     seconds: float = 0.0
 
     def kernel(self, name: str) -> Tally:
@@ -187,6 +196,7 @@ class Run:
         self.ever_held: set[int] = set()
         self.finished_blocks: set[int] = set()
         self.dense: dict[tuple, torch.Tensor] = {}  # dense reference rows, computed once
+        self.step_calls: dict[str, list] | None = None  # the timed step's kernel calls
 
     # ---------------------------------------------------------- one step
 
@@ -217,7 +227,11 @@ class Run:
             changed = int((self.layout.storage[mask] != before).sum())
             if changed:
                 self.problem(plan, None, f"{changed} bytes of the cached prefix's pages changed")
+        timed = plan.name == TIMED_STEP and self.layout.device.type == "cuda"
+        self.step_calls = {kn.ATTENTION_DECODE: [], kn.INDEXER_LOGITS: []} if timed else None
         self.read(batch)
+        if timed:
+            self.time_step()
         for name in plan.offload:
             self.offload_and_reload(plan, name, block_ids[name])
         accepted = dict(plan.accept)
@@ -598,6 +612,8 @@ class Run:
             except Exception as exc:
                 self.problem(plan, kernel, f"layer {layer}: {type(exc).__name__}: {exc}")
                 return
+            if self.step_calls is not None and kernel in self.step_calls:
+                self.step_calls[kernel].append(call)
         got = out.float().cpu()
         q_cpu = q.cpu()
         for r, first, end, pos0 in spans:
@@ -677,24 +693,27 @@ class Run:
             q_fp8 = (q * 64).to(torch.float8_e4m3fn)
             weights = torch.rand(batch_size, model.index_heads, generator=self.inputs.gen)
             max_len = model.max_model_len // cache.ratio
-            try:
+            q_dev, weights_dev = q_fp8.to(device), weights.to(device)
+
+            def logits_call(q_dev=q_dev, weights_dev=weights_dev, decode=decode, view=view):
                 # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
-                logits = (
-                    self.kernels.paged_logits(
-                        q_fp8.to(device),
-                        view.unsqueeze(-2),
-                        weights.to(device),
-                        decode.seq_lens,
-                        decode.block_table,
-                        decode.schedule_metadata,
-                        max_len,
-                    )
-                    .float()
-                    .cpu()
+                return self.kernels.paged_logits(
+                    q_dev,
+                    view.unsqueeze(-2),
+                    weights_dev,
+                    decode.seq_lens,
+                    decode.block_table,
+                    decode.schedule_metadata,
+                    max_len,
                 )
+
+            try:
+                logits = logits_call().float().cpu()
             except Exception as exc:
                 self.problem(plan, kn.INDEXER_LOGITS, f"{cache.name}: {type(exc).__name__}: {exc}")
                 logits = None
+            if logits is not None and self.step_calls is not None:
+                self.step_calls[kn.INDEXER_LOGITS].append(logits_call)
             lens = decode.seq_lens.cpu()
             for b in range(min(batch_size, len(spans)) if logits is not None else 0):
                 r = spans[b][0]
@@ -735,6 +754,28 @@ class Run:
                     self.error(kn.INDEXER_GATHER, got[cu[b] : cu[b + 1]], want),
                 )
 
+    def time_step(self) -> None:
+        """Median GPU time of the step's decode calls of each real kernel
+        (all layers' calls together: one decode step), after warm-up."""
+        assert self.step_calls is not None
+        real = {
+            kernel: calls
+            for kernel, calls in self.step_calls.items()
+            if calls and self.kernels.is_real(kernel)
+        }
+        skipped = sorted(set(self.step_calls) - set(real))
+        if skipped:
+            self.result.timing_note = "not timed (stand-in or not called): " + "; ".join(skipped)
+        try:
+            medians = clock.time_calls(
+                {kernel: functools.partial(_call_each, calls) for kernel, calls in real.items()},
+                self.layout.device,
+            )
+        except Exception as exc:  # the time is a figure, not a verdict; the reads were compared
+            self.result.timing_note = f"timing failed: {type(exc).__name__}: {exc}"
+            medians = {}
+        self.result.decode_step_us = {kernel: medians.get(kernel) for kernel in self.step_calls}
+
     def compare_topk(self, plan: StepPlan, got: torch.Tensor, want: torch.Tensor) -> None:
         """The kernel's top-k must be a top-k of the dense scores (ties and the
         kernel's summation order may reorder equals)."""
@@ -755,6 +796,11 @@ class Run:
         every block the run allocated."""
         own = self.layout.mask_of({name: sorted(self.ever_held) for name in self.layout.caches})
         return int(((self.layout.storage != SENTINEL) & ~own).sum())
+
+
+def _call_each(calls: list) -> None:
+    for call in calls:
+        call()
 
 
 def tiling_problems(layout: Layout) -> list[str]:

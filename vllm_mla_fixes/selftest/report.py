@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import bounds as bd
+from . import clock
 from . import kernels as kn
-from .harness import GeometryResult
+from .harness import TIMED_STEP, GeometryResult
 from .layout import TinyModel
 from .timeline import CASES
 from .timing import StepCost
@@ -91,6 +92,10 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
     return rows
 
 
+TIMED_KERNELS = (kn.ATTENTION_DECODE, kn.INDEXER_LOGITS)
+FIX_GEOMETRY = "split"  # the fix's default layout, timed against upstream's
+
+
 @dataclass
 class Report:
     vllm: str
@@ -169,6 +174,7 @@ class Report:
                 }
                 for r in self.results
             ],
+            "decode_step_timing": self.decode_timing(),
             "slot_translation_us": [
                 {
                     "tokens": c.tokens,
@@ -263,6 +269,7 @@ class Report:
                     f"{cost.map_to_kernel_block_table_us:.1f}"
                 )
         lines += self.bound_lines()
+        lines += self.timing_lines()
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
@@ -281,6 +288,50 @@ class Report:
         )
         return "\n".join(lines)
 
+    def decode_timing(self) -> dict[str, Any]:
+        """Median GPU microseconds of one decode step's calls per kernel and
+        geometry, and the fix's over upstream's; null where not timed."""
+        us = {
+            r.geometry: {k: _rounded(r.decode_step_us.get(k)) for k in TIMED_KERNELS}
+            for r in self.results
+        }
+        fix, upstream = us.get(FIX_GEOMETRY, {}), us.get("upstream", {})
+        notes = []
+        if self.device.kind == "cpu":
+            notes.append(clock.NOT_TIMED_CPU)
+        else:
+            if "upstream" not in us:
+                notes.append("no fix/upstream ratio: upstream's layout was not run here")
+            notes += [f"{r.geometry}: {r.timing_note}" for r in self.results if r.timing_note]
+        return {
+            "timed": any(v is not None for row in us.values() for v in row.values()),
+            "note": "; ".join(notes) or None,
+            "step": TIMED_STEP,
+            "warmup_rounds": clock.WARMUP,
+            "median_of": clock.REPEATS,
+            "us": us,
+            "ratio_fix_over_upstream": {
+                k: _rounded(clock.ratio(fix.get(k), upstream.get(k)), 3) for k in TIMED_KERNELS
+            },
+        }
+
+    def timing_lines(self) -> list[str]:
+        timing = self.decode_timing()
+        head = (
+            f"kernel time per decode step ('{timing['step']}', median of "
+            f"{timing['median_of']} after {timing['warmup_rounds']} warm-up rounds, us)"
+        )
+        if not timing["timed"]:
+            return ["", f"{head}: {timing['note'] or 'not timed'}"]
+        lines = ["", f"{head}:"]
+        for kernel in TIMED_KERNELS:
+            cells = [f"{g} {_cell(row[kernel])}" for g, row in timing["us"].items()]
+            cells.append(f"fix/upstream {_cell(timing['ratio_fix_over_upstream'][kernel])}")
+            lines.append(f"    {kernel}: " + " | ".join(cells))
+        if timing["note"]:
+            lines.append(f"    note: {timing['note']}")
+        return lines
+
     def bound_lines(self) -> list[str]:
         """Each bound used in the table, with its derivation, once."""
         seen: dict[str, bd.Bound] = {}
@@ -291,6 +342,14 @@ class Report:
         for kernel, bound in seen.items():
             lines.append(f"    {kernel}: {bound.value:.3g}, of {bound.measure}; {bound.formula}")
         return lines
+
+
+def _rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _cell(value: float | None) -> str:
+    return "not timed" if value is None else f"{value:g}"
 
 
 def _num(value: float | None):
