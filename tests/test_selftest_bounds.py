@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_mla_fixes.selftest import bounds
 
@@ -35,6 +36,65 @@ def test_real_attention_bound_is_the_formats_rms_with_the_heads_spread():
     assert 0.059 < bound.value < 0.061 and bound.measure == bounds.REL_L2
     # a zeroed page reads 0.7 relative L2 on the harness's reader: far outside
     assert 0.7 / bound.value > 10
+
+
+def _e4m3_in_tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """x rounded to e4m3 with one power-of-two scale per ``tile`` values (the
+    largest maps to at most 448), as FlashInfer scales Q and P."""
+    tiles = x.reshape(*x.shape[:-1], -1, tile)
+    amax = tiles.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    exp = torch.ceil(torch.log2(amax / 448))
+    scaled = torch.clamp(tiles * torch.exp2(-exp), -448, 448)
+    return (scaled.to(torch.float8_e4m3fn).float() * torch.exp2(exp)).reshape(x.shape)
+
+
+def _rounded_attention(q, kv, scale):
+    """The rounding steps the bound's derivation names, and no others: Q's NoPE
+    dims and the NoPE part's P through e4m3 (per-64 scales), the RoPE part's P
+    through bf16, the output through bf16 twice (split-K partial, merged row)."""
+    from vllm_mla_fixes.selftest import reference as ref
+
+    q_nope = _e4m3_in_tiles(q[:, : ref.NOPE].float(), 64)
+    logits = (q_nope @ kv[:, : ref.NOPE].T + q[:, ref.NOPE :].float() @ kv[:, ref.NOPE :].T) * scale
+    top = logits.amax(dim=-1).clamp_min(0.0)  # the zero sink logit
+    p = torch.exp(logits - top[:, None])
+    denom = p.sum(dim=-1) + torch.exp(-top)
+    padded = torch.nn.functional.pad(p, (0, -p.shape[1] % 64))
+    p_nope = _e4m3_in_tiles(padded, 64)[:, : p.shape[1]]
+    p_rope = p.to(torch.bfloat16).float()
+    out = torch.cat([p_nope @ kv[:, : ref.NOPE], p_rope @ kv[:, ref.NOPE :]], dim=1)
+    return (out / denom[:, None]).to(torch.bfloat16).float().to(torch.bfloat16).float()
+
+
+def test_the_attention_bound_holds_for_the_rounding_it_is_derived_from():
+    """The self-test's inputs (q and latents N(0, 1), the writer's fp8 NoPE, 8
+    heads, 1 to 200 candidates) through that rounding stay within the bound;
+    the mean shows the rounding was exercised (measured: mean 0.023, worst
+    0.039 of 200 rows, bound 0.060)."""
+    from vllm_mla_fixes.selftest import reference as ref
+
+    gen = torch.Generator().manual_seed(27)
+    bound = bounds.real_attention_bound(heads=8).value
+    errors = []
+    for candidates in (1, 2, 8, 64, 200):
+        for _ in range(40):
+            q = torch.randn(8, 512, generator=gen).to(torch.bfloat16)
+            latent = torch.randn(candidates, 512, generator=gen).to(torch.bfloat16)
+            rounding = ref.Rounding("round-to-nearest-even")
+            kv = torch.cat(
+                [
+                    ref.quant_dequant_nope(latent[:, : ref.NOPE].float(), rounding, divide=True),
+                    latent[:, ref.NOPE :].float(),
+                ],
+                dim=1,
+            )
+            want = ref.sink_softmax_attention(q, kv, torch.zeros(8), 512**-0.5)
+            got = _rounded_attention(q, kv, 512**-0.5)
+            errors.append(float((got - want).norm() / want.norm()))
+    worst, mean = max(errors), sum(errors) / len(errors)
+    print(f"rounding model: mean {mean:.4f}, worst {worst:.4f}, bound {bound:.4f}")
+    assert worst <= bound
+    assert 0.01 < mean < bound
 
 
 def test_margin_is_error_over_bound_and_exact_bounds_take_only_zero():
