@@ -6,8 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import bounds as bd
+from . import clock
 from . import kernels as kn
-from .harness import GeometryResult
+from .harness import TIMED_STEP, GeometryResult
+from .layout import TinyModel
 from .timeline import CASES
 from .timing import StepCost
 from .verdicts import (
@@ -33,6 +36,14 @@ class Row:
     foreign_bytes: int | None  # writers only
     verdict: str
     problems: list[str] = field(default_factory=list)
+    # what the row's error is held to: readers their worst relative error,
+    # writers their foreign bytes (exact); margin = error / bound
+    bound: bd.Bound = bd.WRITER_BOUND
+    margin: float = 0.0
+
+    @property
+    def error(self) -> float:
+        return self.max_error if self.max_error is not None else float(self.foreign_bytes or 0)
 
 
 def geometry_verdict(result: GeometryResult) -> str:
@@ -52,6 +63,12 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
             continue
         reader = kernel in kn.READERS
         bad = bool(tally.problems)
+        if reader:
+            bound = tally.bound or bd.bound_for(kernel, kernels, TinyModel.q_heads)
+            margin = tally.worst_margin
+        else:
+            bound = bd.WRITER_BOUND
+            margin = bd.margin(tally.foreign_bytes, bound.value)
         if result.role == "fix":
             verdict = FAIL if bad or (reader and not tally.compared) else PASS
         elif result.role == "control":
@@ -68,9 +85,15 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
                 None if reader else tally.foreign_bytes,
                 verdict,
                 list(tally.problems),
+                bound,
+                margin,
             )
         )
     return rows
+
+
+TIMED_KERNELS = (kn.ATTENTION_DECODE, kn.INDEXER_LOGITS)
+FIX_GEOMETRY = "split"  # the fix's default layout, timed against upstream's
 
 
 @dataclass
@@ -164,6 +187,7 @@ class Report:
                         name: {
                             "compared": t.compared,
                             "worst_error": _num(t.worst),
+                            "worst_margin": _num(t.worst_margin),
                             "foreign_bytes": t.foreign_bytes,
                             "failed": bool(t.problems),
                             "problems": t.problems,
@@ -177,6 +201,11 @@ class Report:
                             "compared": row.compared,
                             "max_error": _num(row.max_error),
                             "foreign_bytes": row.foreign_bytes,
+                            "error": _num(row.error),
+                            "bound": row.bound.value,
+                            "margin": _num(row.margin),
+                            "measure": row.bound.measure,
+                            "bound_derivation": row.bound.formula,
                             "verdict": row.verdict,
                             "problems": row.problems,
                         }
@@ -185,6 +214,7 @@ class Report:
                 }
                 for r in self.results
             ],
+            "decode_step_timing": self.decode_timing(),
             "slot_translation_us": [
                 {
                     "tokens": c.tokens,
@@ -205,7 +235,19 @@ class Report:
         ]
         if self.cannot_run is not None:
             return "\n".join([*lines, f"cannot run: {self.cannot_run}"])
-        table = [("geometry", "kernel", "source", "n", "max error", "foreign B", "verdict")]
+        table = [
+            (
+                "geometry",
+                "kernel",
+                "source",
+                "n",
+                "max error",
+                "foreign B",
+                "bound",
+                "error/bound",
+                "verdict",
+            )
+        ]
         for result in self.results:
             for row in rows_of(result, self.kernels):
                 table.append(
@@ -216,6 +258,8 @@ class Report:
                         str(row.compared),
                         "-" if row.max_error is None else f"{row.max_error:.2e}",
                         "-" if row.foreign_bytes is None else str(row.foreign_bytes),
+                        f"{row.bound.value:.3g}",
+                        f"{row.margin:.2f}",
                         row.verdict,
                     )
                 )
@@ -266,6 +310,8 @@ class Report:
                     f"    {what}, {cost.tokens} tokens: {cost.per_step_us:.1f} | "
                     f"{cost.map_to_kernel_block_table_us:.1f}"
                 )
+        lines += self.bound_lines()
+        lines += self.timing_lines()
         stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
@@ -286,6 +332,69 @@ class Report:
         working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
         lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
+
+    def decode_timing(self) -> dict[str, Any]:
+        """Median GPU microseconds of one decode step's calls per kernel and
+        geometry, and the fix's over upstream's; null where not timed."""
+        us = {
+            r.geometry: {k: _rounded(r.decode_step_us.get(k)) for k in TIMED_KERNELS}
+            for r in self.results
+        }
+        fix, upstream = us.get(FIX_GEOMETRY, {}), us.get("upstream", {})
+        notes = []
+        if self.device.kind == "cpu":
+            notes.append(clock.NOT_TIMED_CPU)
+        else:
+            if "upstream" not in us:
+                notes.append("no fix/upstream ratio: upstream's layout was not run here")
+            notes += [f"{r.geometry}: {r.timing_note}" for r in self.results if r.timing_note]
+        return {
+            "timed": any(v is not None for row in us.values() for v in row.values()),
+            "note": "; ".join(notes) or None,
+            "step": TIMED_STEP,
+            "warmup_rounds": clock.WARMUP,
+            "median_of": clock.REPEATS,
+            "us": us,
+            "ratio_fix_over_upstream": {
+                k: _rounded(clock.ratio(fix.get(k), upstream.get(k)), 3) for k in TIMED_KERNELS
+            },
+        }
+
+    def timing_lines(self) -> list[str]:
+        timing = self.decode_timing()
+        head = (
+            f"kernel time per decode step ('{timing['step']}', median of "
+            f"{timing['median_of']} after {timing['warmup_rounds']} warm-up rounds, us)"
+        )
+        if not timing["timed"]:
+            return ["", f"{head}: {timing['note'] or 'not timed'}"]
+        lines = ["", f"{head}:"]
+        for kernel in TIMED_KERNELS:
+            cells = [f"{g} {_cell(row[kernel])}" for g, row in timing["us"].items()]
+            cells.append(f"fix/upstream {_cell(timing['ratio_fix_over_upstream'][kernel])}")
+            lines.append(f"    {kernel}: " + " | ".join(cells))
+        if timing["note"]:
+            lines.append(f"    note: {timing['note']}")
+        return lines
+
+    def bound_lines(self) -> list[str]:
+        """Each bound used in the table, with its derivation, once."""
+        seen: dict[str, bd.Bound] = {}
+        for result in self.results:
+            for row in rows_of(result, self.kernels):
+                seen.setdefault(row.kernel, row.bound)
+        lines = ["", "bounds (error/bound <= 1 passes; a wrong page reads 0.7 to 1e11):"]
+        for kernel, bound in seen.items():
+            lines.append(f"    {kernel}: {bound.value:.3g}, of {bound.measure}; {bound.formula}")
+        return lines
+
+
+def _rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _cell(value: float | None) -> str:
+    return "not timed" if value is None else f"{value:g}"
 
 
 def _block_size(result: GeometryResult) -> str:
