@@ -79,9 +79,11 @@ How we fix it
         tokens of upstream's --block-size 128 layout at 8k and 1.042x at 128k.
         A DSpark drafter's sliding-window caches (layers numbered past the
         backbone) get 128-token pages where FlashInfer's own envelope takes
-        run-time page sizes (0.7.2.post1 on), so its three layers share one
-        KV-cache group instead of opening another 64-token one: 1.051x /
-        1.019x of upstream with the same drafter (0.993x / 0.997x on
+        run-time page sizes (0.7.2.post1 on) and planning both ways with
+        vLLM's planner on the engine's layers finds they hold more (three
+        layers then share one KV-cache group instead of opening another
+        64-token one; one layer fits the 64-token groups and keeps 64):
+        1.051x / 1.019x of upstream with the same drafter (0.993x / 0.997x on
         FlashInfer 0.7.0.post1, where they keep 64 rows: putting two 64-row
         kernel pages in a 128-token drafter block would need the drafter's own
         slot mappings translated, and DSpark computes those in its own kernel
