@@ -14,8 +14,8 @@ inside the served process and recomputes each eager call in PyTorch from the
 same cache views (the indexer with the self-test's readers).  It reads pages
 the way the kernels do (the view's rows, offset and page stride), so it
 follows whichever geometry vLLM bound.  A with-fix run passes only if every
-compared attention call is within ``ATTENTION_TOLERANCE`` (0.02, relative
-L2), every indexer logit call within ``INDEXER_TOLERANCE`` (0.01), every
+compared attention call is within ``ATTENTION_TOLERANCE`` (0.060, relative
+L2, derived from the formats), every indexer logit call within ``INDEXER_TOLERANCE`` (0.01), every
 gathered key byte-equal, no record read was never written, a probe record
 came from the engine process, and enough calls were compared: eager runs
 every call of every step, runs with CUDA graphs at least each prompt's
@@ -52,6 +52,7 @@ import pytest
 
 from gpu.inprocess.call_probes import LOG_ENV, read_log
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT, UPSTREAM
+from vllm_mla_fixes.selftest.bounds import real_attention_bound
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 PROBE_DIR = Path(__file__).with_name("inprocess")
@@ -96,11 +97,13 @@ _TEXT = json.loads((MODEL_DIR / "config.json").read_text())["text_config"]
 ATTENTION_LAYERS = _TEXT["num_hidden_layers"]
 COMPRESSED_LAYERS = sum(1 for r in _TEXT["compress_ratios"] if r)
 # FlashInfer against the PyTorch decode of the same fp8 records (relative L2):
-# the records dequantise exactly to bf16, so only bf16 rounding of P and of
-# the output is left, a few 1e-3.  A wrong page read on the CPU harness:
-# 0.70 where it was never written (zeros; also counted as unwritten), 3e11
-# where it holds other data (tests/test_gpu_cases_on_cpu.py, vLLM 0.32.0).
-ATTENTION_TOLERANCE = 0.02
+# the records dequantise exactly, but FlashInfer's SM120 kernels round Q's NoPE
+# part and P through e4m3 and P's RoPE part and the output through bf16, so the
+# bound is the self-test's derived one for the model's heads (0.060 for 8; its
+# derivation is in vllm_mla_fixes/selftest/bounds.py).  A wrong page read on
+# the CPU harness: 0.70 where it was never written (zeros; also counted as
+# unwritten), 3e11 where it holds other data (tests/test_gpu_cases_on_cpu.py).
+ATTENTION_TOLERANCE = real_attention_bound(int(_TEXT["num_attention_heads"])).value
 # First start on a runner: FlashInfer JIT-compiles its SM120 sparse-MLA and
 # vLLM its DeepGEMM/Triton kernels from source (no jit-cache wheel in the
 # 0.32/0.33 locks); later starts reuse ~/.cache/flashinfer.
