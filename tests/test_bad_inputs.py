@@ -329,12 +329,12 @@ SETTING_CASES = [
     # (run, variable, what its one warning must say besides its name, value and allowed values)
     ("human-1", "VLLM_MLA_FIXES", "'all' must stand alone; unknown fix name 'bogus'"),
     ("human-1", GEOMETRY, "not a geometry name"),
-    ("human-1", DRAFTER, "only 64 changes anything"),
+    ("human-1", DRAFTER, "not a page size a drafter's pages can take"),
     ("json-1", "VLLM_MLA_FIXES", "it names no fix"),
-    ("json-1", DRAFTER, "only 64 changes anything"),
+    ("json-1", DRAFTER, "not a page size a drafter's pages can take"),
     ("json-1", CACHE_DIR, "a relative path would differ between vLLM's processes"),
     ("human-2", "VLLM_MLA_FIXES", "'none' must stand alone"),
-    ("human-2", DRAFTER, "only 64 changes anything"),
+    ("human-2", DRAFTER, "not a page size a drafter's pages can take"),
     ("human-2", GEOMETRY, "not a geometry name"),
 ]
 

@@ -18,6 +18,7 @@ import pytest
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 from vllm_mla_fixes.reproductions import dsv41_prediction as prediction
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -52,8 +53,12 @@ def _decision_for(line: list[str]) -> tuple[str, str]:
     """The fix's geometry_decision on the engine config vLLM's parser builds from ``line``."""
     with serve_line.cuda_device_type_while_parsing():
         args = serve_line.engine_args(line)
-    config = repro.make_vllm_config(128, settings=prediction.engine_settings(args))
-    with repro.applied((12, 0)):
+    with repro.sm120_platform():
+        block_size = args.block_size or upstream.picked_block_size(
+            upstream.declared_kernel_blocks()
+        )
+    config = repro.make_vllm_config(block_size, settings=prediction.engine_settings(args))
+    with repro.applied((12, 0)), repro.sm120_platform():
         return fix.geometry_decision(config)
 
 
@@ -88,7 +93,10 @@ def test_doctor_does_not_report_the_backend_alone_as_offloading():
     messages = " | ".join(
         f.message for f in fix_doctor._prediction_findings(prediction.predict(line))
     )
-    assert f"gets the {fix.SPLIT} geometry" in messages
+    if _decision_for(line)[0] == fix.UPSTREAM:  # 0.34.0: --block-size 64 works upstream
+        assert "upstream's --block-size 64 layout starts" in messages
+    else:
+        assert f"gets the {fix.SPLIT} geometry" in messages
     assert "KV offloading is configured" not in messages
     assert "--kv-offloading-backend native without --kv-offloading-size enables nothing" in (
         messages
@@ -101,9 +109,11 @@ def test_doctor_does_not_report_the_backend_alone_as_offloading():
 def test_report_line_gets_geometry_and_capacity_off_the_gpu_node(dspark):
     line = [*REPORT_LINE, *(DSPARK if dspark else [])]
     predicted = prediction.predict(line)
-    assert (predicted["geometry"], predicted["reason"]) == _decision_for(line)
-    if not dspark:
-        assert predicted["geometry"] == fix.SPLIT
+    geometry, reason = _decision_for(line)
+    assert predicted["geometry"] == geometry
+    assert predicted["reason"].startswith(reason)  # then what planning chose for a drafter
+    if not dspark and geometry != fix.UPSTREAM:
+        assert geometry == fix.SPLIT
     assert predicted["settings"]["speculative_method"] == ("dspark" if dspark else None)
     assert [c["max_model_len"] for c in predicted["capacity"]] == [8192, 131072]
     for figures in predicted["capacity"]:
@@ -120,8 +130,9 @@ def test_report_line_gets_geometry_and_capacity_off_the_gpu_node(dspark):
                 assert figures["tokens_per_gib"] > figures["upstream_128"]
     # TP8 of DeepSeek-V4.1-Flash's 64 heads: 8 heads per rank, window 128, top-k 512
     shapes = {(s["heads"], s["topk"], s["page"], s["extra_page"]) for s in predicted["shapes"]}
-    expected = {(8, 128, 64, None), (8, 512, 64, 64)}
-    if dspark and fix.flashinfer_takes_runtime_swa_pages():
+    window_page = fix.UPSTREAM_SWA_BLOCK if geometry == fix.UPSTREAM else 64
+    expected = {(8, 128, window_page, None), (8, 512, 64, 64)}
+    if dspark and geometry != fix.UPSTREAM and fix.flashinfer_takes_runtime_swa_pages():
         expected.add((8, 128, fix.DRAFTER_SWA_ROWS, None))  # the drafter's pages
     assert shapes == expected
     assert all(s["decode_kernel"] for s in predicted["shapes"])
@@ -155,12 +166,22 @@ def test_doctor_command_on_the_report_line_with_dspark_without_a_gpu():
     report = json.loads(done.stdout)
     assert report["environment"]["capability"] is None  # no GPU visible
     messages = [f["message"] for f in report["findings"] if f["topic"] == fix.INFO.name]
-    geometry, reason = _decision_for([*REPORT_LINE, *DSPARK])
-    assert any(f"gets the {geometry} geometry: {reason}" in m for m in messages), messages
+    geometry, _ = _decision_for([*REPORT_LINE, *DSPARK])
+    assert geometry == fix.UPSTREAM  # 0.34.0 starts --block-size 64 and its pages are inside
     assert any("upstream --block-size 128" in m and "--block-size 64" in m for m in messages)
-    # 0.34.0 starts --block-size 64 (it fails 128): not "No common block size"
-    assert any(m.startswith("--block-size 64 starts on vLLM 0.34") for m in messages)
+    assert any(m.startswith("upstream's --block-size 64 layout starts") for m in messages)
     assert not any("No common block size" in m for m in messages)
+    # The split would hold more with DSpark's drafter (one 128-row group): doctor
+    # says so and how to force it, with the figure it planned.
+    (warned,) = [
+        f for f in report["findings"] if f["topic"] == fix.INFO.name and f["level"] == "warn"
+    ]
+    assert warned["message"].startswith(f"the fix's {fix.SPLIT} geometry would hold 1.066x")
+    assert (
+        warned["advice"]
+        == f"to use it, set {fix.GEOMETRY_ENV}={fix.SPLIT} on every node before `vllm serve`"
+    )
+    assert report["dsv41"]["forced_split_vs_upstream"] == 1.066
     # doctor's quote of 0.34.0's --block-size 128 error is the text vLLM raises
     # (tests/test_dsv41_release_0_34.py asserts repro.SPLIT_ERROR on the real code)
     assert fix.SPLIT_ERROR_0_34.removeprefix("ValueError: ") in repro.SPLIT_ERROR

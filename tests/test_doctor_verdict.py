@@ -192,12 +192,24 @@ def test_vllm_accepts_a_good_line():
 
 @pytest.mark.vllm_release("0.34.0")
 def test_doctor_quotes_what_vllm_serve_itself_prints():
-    """The same line given to `vllm serve` stops with the very words doctor quotes."""
+    """The same line given to `vllm serve` stops with the very words doctor quotes.
+    Where no GPU is visible vLLM's platform is unspecified and `vllm serve` stops
+    before parsing ("Failed to infer device type"), so its own CLI entry runs
+    as on a CUDA node: with the platform reporting device type cuda, which is
+    all doctor changes while it parses."""
     from importlib.metadata import version
 
     line = ["serve", TINY_DSV41, "--no-such-flag"]
+    as_on_a_cuda_node = (
+        "import sys\n"
+        "from vllm.entrypoints.cli.main import main\n"
+        "from vllm_mla_fixes.serve_line import cuda_device_type_while_parsing\n"
+        "sys.argv = ['vllm', *sys.argv[1:]]\n"
+        "with cuda_device_type_while_parsing():\n"
+        "    main()\n"
+    )
     served = subprocess.run(
-        [str(Path(sys.executable).parent / "vllm"), *line],
+        [sys.executable, "-c", as_on_a_cuda_node, *line],
         capture_output=True,
         text=True,
         timeout=900,

@@ -636,8 +636,19 @@ def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
     assert f"drafter sliding-window pages hold 64 tokens ({fix.DRAFTER_SWA_ENV}=64)" in reason
 
 
-@pytest.mark.parametrize("value", ["7", "-1", "abc", "128"])
-def test_drafter_rows_other_than_64_count_as_unset(monkeypatch, value):
+@pytest.mark.vllm_release("0.33.0", "0.34.0")
+def test_drafter_pages_can_be_forced_to_128(monkeypatch):
+    """``=128`` skips the planning: one drafter layer keeps 128-row pages,
+    where planning would give it 64."""
+    monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "128")
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0,))
+    assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.DRAFTER_SWA_ROWS
+    assert fix.planned_drafter_rows() == (128, f"{fix.DRAFTER_SWA_ENV}=128")
+
+
+@pytest.mark.parametrize("value", ["7", "-1", "abc", "256"])
+def test_drafter_rows_other_than_64_or_128_count_as_unset(monkeypatch, value):
     monkeypatch.delenv(fix.DRAFTER_SWA_ENV, raising=False)
     unset = fix.drafter_swa_rows()
     monkeypatch.setenv(fix.DRAFTER_SWA_ENV, value)
@@ -733,7 +744,11 @@ def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
     try:
         entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
         assert entry.state is State.APPLIED
-        assert "geometry chosen when the model loads: interleaved-split by default" in entry.reason
+        assert (
+            "geometry chosen when the model loads: upstream (the fix steps aside) where "
+            "upstream's layout for the line starts and every page is inside the installed "
+            "kernels' own envelopes; else interleaved-split by default"
+        ) in entry.reason
         repro.plan_geometry(128)
         entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
         assert entry.reason.endswith(

@@ -196,7 +196,7 @@ def _result(name: str, failed_case: str | None = None, block_size: int = 64):
     result = harness.new_result(name)
     result.block_size = block_size
     for case, tally in result.cases.items():
-        tally.note(0.0)
+        tally.note(0.0, 0.0)
         if failed_case in (case, "all"):
             tally.fail("step: off")
     return result

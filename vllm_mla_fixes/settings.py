@@ -23,7 +23,7 @@ from typing import Any
 
 PREFIX = "VLLM_MLA_FIXES"
 GEOMETRIES = ("interleaved-split", "per-ratio")  # the DeepSeek-V4.1 fix's two page geometries
-DRAFTER_ROWS_ALLOWED = 64
+DRAFTER_ROWS_ALLOWED = (64, 128)  # the kernel page rows, and two of them per 128-token page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +88,9 @@ def _geometry(raw: str) -> str:
 
 
 def _drafter_rows(raw: str) -> int:
-    if raw != str(DRAFTER_ROWS_ALLOWED):
-        raise ValueError("only 64 changes anything")
-    return DRAFTER_ROWS_ALLOWED
+    if raw not in {str(rows) for rows in DRAFTER_ROWS_ALLOWED}:
+        raise ValueError("not a page size a drafter's pages can take")
+    return int(raw)
 
 
 def _cache_folder(raw: str) -> Path:
@@ -123,10 +123,11 @@ DSV41_GEOMETRY = Setting(
 )
 DSV41_DRAFTER_SWA_ROWS = Setting(
     name=f"{PREFIX}_DSV41_DRAFTER_SWA_ROWS",
-    allowed_values=str(DRAFTER_ROWS_ALLOWED),
-    default="128 where the installed FlashInfer takes run-time page sizes, else 64",
-    meaning="rows of a DeepSeek-V4.1 drafter's sliding-window pages; 64 keeps them at the "
-    "kernel page size",
+    allowed_values="64 or 128",
+    default="planned per engine: 128 or 64, whichever holds more KV tokens per GiB (128 only "
+    "where the installed FlashInfer takes run-time page sizes)",
+    meaning="rows of a DeepSeek-V4.1 drafter's sliding-window pages under the split; 64 keeps "
+    "them at the kernel page size, 128 skips the planning",
     parse=_drafter_rows,
 )
 CACHE_DIR = Setting(

@@ -97,11 +97,16 @@ def engine_settings(args: Any):
 
 
 def flashinfer_shapes(
-    heads_per_rank: int, window: int, index_topk: int, drafter_page: int | None = None
+    heads_per_rank: int,
+    window: int,
+    index_topk: int,
+    drafter_page: int | None = None,
+    window_page: int = 64,
 ) -> list[dict]:
     """Each per-rank call shape against the installed FlashInfer's SM120 decode
-    envelope; ``drafter_page``: a drafter's sliding-window page rows, where
-    they differ from the backbone's 64."""
+    envelope; ``window_page``: the backbone's sliding-window page rows (64
+    under the fix, 32 in upstream's layout); ``drafter_page``: a drafter's,
+    where they differ from 64."""
     import flashinfer
     from flashinfer import mla
 
@@ -112,7 +117,7 @@ def flashinfer_shapes(
     config = lookup()["dsv4"]
     extra_pages = sorted(config.extra_page_block_sizes)
     calls = [
-        (window, 64, "sliding-window pages, the primary cache", False),
+        (window, window_page, "sliding-window pages, the primary cache", False),
         (index_topk, 64, "compressed pages, the extra cache", True),
     ]
     if drafter_page is not None and drafter_page != 64:
@@ -159,6 +164,10 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
         resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
         fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
         planned = fix.planned_drafter_rows() if settings.drafter_ratios else None
+        forced_split = None
+        if line.decision == fix.UPSTREAM:  # what forcing the split would hold instead
+            with capacity.forced_geometry(fix.SPLIT):
+                forced_split = capacity.measure("forced split", block_size, lens, settings)
     upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
     drafters = len(settings.drafter_ratios)
     text = (model_config or {}).get("text_config", model_config or {})
@@ -199,6 +208,9 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             if best is None
             else round(line.fix_tokens[lens[0]] / best[1][lens[0]], 4),
             "best_working_upstream_block_size": None if best is None else best[0],
+            "forced_split_vs_upstream": None
+            if forced_split is None or line.upstream_tokens is None
+            else round(forced_split[0].tokens / line.upstream_tokens[lens[0]], 4),
             "at_max_model_len": lens[0],
         },
         "capacity": [
@@ -219,7 +231,10 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             heads // tp,
             int(text.get("sliding_window", FLASH_WINDOW)),
             int(text.get("index_topk", FLASH_INDEX_TOPK)),
-            drafter_page=(planned or fix.drafter_swa_rows())[0] if drafters else None,
+            drafter_page=(planned or fix.drafter_swa_rows())[0]
+            if drafters and fixed[0].geometry != fix.UPSTREAM
+            else None,
+            window_page=fix.UPSTREAM_SWA_BLOCK if fixed[0].geometry == fix.UPSTREAM else 64,
         )
         if heads % tp == 0
         else [{"error": f"{heads} attention heads do not split over TP {tp}"}],

@@ -45,9 +45,7 @@ SPECULATION: dict[str, dict[str, Any] | None] = {
 DSPARK_DRAFTER_LAYERS = 3  # vLLM's default n_mtp_layers
 CAPABILITIES = ((12, 0), (12, 1))
 MAX_MODEL_LENS = capacity.MAX_MODEL_LENS
-GAIN_TO_APPLY = 1.02
-"""Where upstream's layout works, a layout nobody has run on hardware must hold
-at least this much more to be worth it (the fix steps aside below it)."""
+GAIN_TO_APPLY = fix.GAIN_TO_APPLY
 
 _KIND = {"swa": upstream.SWA, "compressed": upstream.COMPRESSED, "indexer": upstream.INDEXER}
 

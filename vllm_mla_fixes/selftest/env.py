@@ -76,6 +76,27 @@ def one_torch_thread():
 
 
 @contextlib.contextmanager
+def drafter_pages_at_128():
+    """A DSpark drafter's sliding-window pages kept at 128 rows meanwhile
+    (``VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS=128``, which skips the fix's
+    planning).  The self-test checks the layout an engine with several
+    drafter layers gets; its one-layer tiny drafter would plan 64, the page
+    size every other cache it checks already has."""
+    from vllm_mla_fixes import settings
+
+    name = settings.DSV41_DRAFTER_SWA_ROWS.name
+    saved = os.environ.get(name)
+    os.environ[name] = "128"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+@contextlib.contextmanager
 def simulated_sm120_host(capability: tuple[int, int] = (12, 0), sm_count: int = 188):
     """vLLM's platform reports ``capability`` and no pinned memory meanwhile."""
     from vllm.platforms import current_platform

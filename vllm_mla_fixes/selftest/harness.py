@@ -37,7 +37,7 @@ from . import bounds as bd
 from . import clock
 from . import kernels as kn
 from . import reference as ref
-from .env import one_torch_thread, simulated_sm120_host
+from .env import drafter_pages_at_128, one_torch_thread, simulated_sm120_host
 from .layout import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, describe
 from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan, Worker
 
@@ -947,7 +947,13 @@ def run_geometry(
     host = simulated_sm120_host() if cpu else contextlib.nullcontext()
     threads = one_torch_thread() if cpu else contextlib.nullcontext()
     try:
-        with threads, host, _fix_for(geometry, device) as applied, kernels.attention_entry():
+        with (
+            threads,
+            host,
+            drafter_pages_at_128(),
+            _fix_for(geometry, device) as applied,
+            kernels.attention_entry(),
+        ):
             layout = build_layout(geometry, model, SENTINEL, device.torch_device)
             result.block_size = layout.block_size
             result.layout = describe(layout)

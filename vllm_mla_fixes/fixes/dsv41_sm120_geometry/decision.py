@@ -398,13 +398,17 @@ def flashinfer_takes_runtime_swa_pages() -> bool:
 
 
 def drafter_swa_rows() -> tuple[int, str]:
-    """Rows of a drafter's sliding-window pages, and why."""
-    if settings.value(settings.DSV41_DRAFTER_SWA_ROWS) == PAGE_ROWS:
+    """Rows of a drafter's sliding-window pages before planning, and why; 128
+    is a candidate that :mod:`.drafter_pages` plans unless the setting forces it."""
+    forced = settings.value(settings.DSV41_DRAFTER_SWA_ROWS)
+    if forced == PAGE_ROWS:
         return PAGE_ROWS, f"{DRAFTER_SWA_ENV}={PAGE_ROWS}"
-    if flashinfer_takes_runtime_swa_pages():
-        return DRAFTER_SWA_ROWS, (
-            "the installed FlashInfer takes run-time page sizes; kept where planning the "
-            "engine's drafter layers both ways finds that 128-row pages, all in one KV-cache "
-            "group, hold more KV tokens per GiB than 64-row pages, else 64"
-        )
-    return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"
+    if not flashinfer_takes_runtime_swa_pages():
+        return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"
+    if forced == DRAFTER_SWA_ROWS:
+        return DRAFTER_SWA_ROWS, f"{DRAFTER_SWA_ENV}={DRAFTER_SWA_ROWS}"
+    return DRAFTER_SWA_ROWS, (
+        "the installed FlashInfer takes run-time page sizes; kept where planning the "
+        "engine's drafter layers both ways finds that 128-row pages, all in one KV-cache "
+        "group, hold more KV tokens per GiB than 64-row pages, else 64"
+    )

@@ -7,7 +7,13 @@ from __future__ import annotations
 import os
 import sys
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO, UPSTREAM
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
+    GAIN_TO_APPLY,
+    GEOMETRY_ENV,
+    INFO,
+    SPLIT,
+    UPSTREAM,
+)
 
 
 def diagnose(env, serve) -> list:
@@ -315,16 +321,33 @@ def _upstream_findings(dsv41: dict, fixed: bool) -> list:
         else ""
     )
     if dsv41["upstream_works"]:
-        return [
+        forced = dsv41.get("forced_split_vs_upstream")
+        findings = [
             Finding(
                 "ok",
                 name,
                 f"upstream's {size} layout starts, and every page it hands a kernel is inside "
                 f"the installed kernels' own envelopes: the fix steps aside on this line "
-                f"(decision {UPSTREAM}){held}",
+                f"(decision {UPSTREAM})",
                 facts=dsv41,
             )
         ]
+        if forced is not None and forced >= GAIN_TO_APPLY:
+            # The 2% rule (issue 25, item 4) is not automatic here yet: the
+            # decision is taken as the first layer is built, before the
+            # drafter's layers exist to be planned with.
+            findings.append(
+                Finding(
+                    "warn",
+                    name,
+                    f"the fix's {SPLIT} geometry would hold {forced:.3f}x upstream's KV tokens "
+                    f"for this line at max_model_len {dsv41['at_max_model_len']} (a DSpark "
+                    "drafter's layers share one 128-row KV-cache group there), but the fix "
+                    "steps aside wherever upstream's layout works",
+                    f"to use it, set {GEOMETRY_ENV}={SPLIT} on every node before `vllm serve`",
+                )
+            )
+        return findings
     if not dsv41["upstream_starts"]:
         problem = f"does not start: {dsv41['upstream_start_error']}"
     elif dsv41["upstream_rejected"]:

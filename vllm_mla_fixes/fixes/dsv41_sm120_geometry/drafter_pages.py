@@ -22,6 +22,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import drafter_swa_rows
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import DRAFTER_SWA_ROWS, INFO, PAGE_ROWS
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import _logger, _state
@@ -114,7 +115,7 @@ def choose_rows(vllm_config: Any) -> tuple[int, str]:
     if chosen is not None:
         return chosen
     rows, why = drafter_swa_rows()
-    if rows == DRAFTER_SWA_ROWS:
+    if rows == DRAFTER_SWA_ROWS and settings.value(settings.DSV41_DRAFTER_SWA_ROWS) is None:
         try:
             wide = planned_tokens(vllm_config, caches, DRAFTER_SWA_ROWS)
             narrow = planned_tokens(vllm_config, caches, PAGE_ROWS)
