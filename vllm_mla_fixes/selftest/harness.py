@@ -689,6 +689,7 @@ class Run:
                         decode.block_table,
                         decode.schedule_metadata,
                         max_len,
+                        getattr(decode, "indices", None),  # SM100's varlen rows
                     )
                     .float()
                     .cpu()
@@ -723,7 +724,9 @@ class Run:
             except Exception as exc:
                 self.problem(plan, kn.INDEXER_GATHER, f"{cache.name}: {type(exc).__name__}: {exc}")
                 continue
-            got = dst_k.float().cpu() * dst_scale.cpu().view(torch.float32)
+            got = dst_k.float().cpu() * ref.index_key_scales(
+                dst_scale.cpu(), ref.index_scales_are_ue8m0x4()
+            )
             cu = chunk.local_cu_seq_lens.tolist()
             members = [s for s in spans if s[1] < chunk.token_end and s[2] > chunk.token_start]
             for b, (r, *_rest) in enumerate(members[: len(cu) - 1]):

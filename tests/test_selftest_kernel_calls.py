@@ -1,0 +1,90 @@
+"""The self-test calls DeepGEMM's paged MQA logits as vLLM's own indexer does, per release and arch (issue 27).
+
+On a B200 (SM100) vLLM's indexer passes DeepGEMM MX-scaled inputs: unit
+UE8M0x4 Q scales and bf16 weights from ``mqa_logits_mx_inputs``, bf16 logits
+(0.34.0), and the varlen rows' request ``indices``; DeepGEMM's SM100 kernel
+asserts on a call without them.  Each test replays a prefill and a decode of the
+self-test's ``split`` geometry on CPU with vLLM pretending to run on the arch
+(``kernel_calls.pretend_gpu``), records at DeepGEMM's own ops what vLLM's
+indexer layer passes and what the self-test passes on the same caches and
+metadata, and compares names, dtypes, shapes, strides and scale formats.  The
+same run checks that the self-test reads the indexer keys' scales in the
+format the release's writers store on that arch (fp32, or UE8M0x4 on SM100).
+"""
+
+from __future__ import annotations
+
+import kernel_calls as kc
+import pytest
+import torch
+
+DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+
+
+def _record(arch: str):
+    from vllm_mla_fixes.selftest import harness
+    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.selftest.timeline import StepPlan
+
+    calls: list[kc.Call] = []
+    caller = ["builder"]
+    original = harness.Run.read_indexer
+
+    def read_indexer(run, batch, cache, md, replay):
+        imd = md[cache.name]
+        if imd.num_decodes and imd.prefill is None:  # a decode-only step
+            model = run.model
+            rows = imd.num_decode_tokens
+            q = torch.randn(rows, model.index_heads, 128).to(torch.float8_e4m3fn)
+            caller[0] = "vllm"
+            kc.vllm_indexer_decode(run.layout, cache, md, q, torch.rand(rows, model.index_heads))
+        caller[0] = "selftest"
+        try:
+            return original(run, batch, cache, md, replay)
+        finally:
+            caller[0] = "builder"
+
+    cpu = kn.Kernels.for_device(kn.detect_device())
+    sources = {**cpu.sources, kn.INDEXER_LOGITS: "real (DeepGEMM)"}  # the call reaches DeepGEMM
+    capability = kc.ARCHS[arch][0]
+    device = kn.Device("cuda", torch.device("cpu"), f"pretend {arch}", capability)
+    plans = (
+        StepPlan("C prefill", (("C", None),), ("indexer-prefill",)),
+        StepPlan("C decode", (("C", 1),), ()),
+    )
+    harness.Run.read_indexer = read_indexer
+    try:
+        with kc.pretend_gpu(arch), kc.recording(calls, caller):
+            result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
+    finally:
+        harness.Run.read_indexer = original
+    assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
+    return calls, result
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return {}
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("arch", list(kc.ARCHS))
+def test_selftest_calls_paged_mqa_logits_as_vllm_does(arch, recorded):
+    from vllm_mla_fixes.selftest import kernels as kn
+
+    calls, result = _record(arch)
+    logits = [c for c in calls if c.kernel == kc.PAGED_LOGITS]
+    ours = [c for c in logits if c.caller == "selftest"]
+    theirs = [c for c in logits if c.caller == "vllm"]
+    assert theirs, f"vLLM's indexer never reached DeepGEMM on {arch}: {[c.kernel for c in calls]}"
+    assert len(ours) >= len(theirs), "the self-test read fewer indexer caches than vLLM"
+    # The decode step's calls, cache by cache, in the order both read them.
+    problems = [
+        p for want, got in zip(theirs, ours[-len(theirs) :]) for p in kc.differences(want, got)
+    ]
+    assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
+
+    # The keys' scale bytes read back as the writers stored them.
+    gather = result.kernels.get(kn.INDEXER_GATHER)
+    assert gather is not None and gather.compared, "the indexer prefill gather was not compared"
+    assert not gather.problems, gather.problems
