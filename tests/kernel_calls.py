@@ -71,6 +71,8 @@ class Call:
     kernel: str
     args: dict[str, Arg]
     caller: str = ""
+    # The tensors themselves (copied at the call), for readers checked on them.
+    tensors: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def describe(value: Any, scale: bool = False) -> Arg:
@@ -127,7 +129,13 @@ def recording(calls: list[Call], caller: list[str]):
     ops = torch.ops.deep_gemm
 
     def paged_logits(*args):
-        calls.append(Call(PAGED_LOGITS, _bound(ops.fp8_fp4_paged_mqa_logits, args), caller[0]))
+        op = ops.fp8_fp4_paged_mqa_logits
+        names = [declared.name for declared in op.default._schema.arguments]
+        tensors = {
+            name: value.clone() if isinstance(value, torch.Tensor) else value
+            for name, value in zip(names, args)
+        }
+        calls.append(Call(PAGED_LOGITS, _bound(op, args), caller[0], tensors))
         raise CallRecorded(PAGED_LOGITS)
 
     def paged_logits_metadata(*args):

@@ -1,5 +1,8 @@
 """The self-test calls DeepGEMM's paged MQA logits as vLLM's own indexer does, per release and arch (issue 27).
 
+The GPU tests' indexer probe, which recomputes vLLM's call, is run on each
+arch's recorded call too.
+
 On a B200 (SM100) vLLM's indexer passes DeepGEMM MX-scaled inputs: unit
 UE8M0x4 Q scales and bf16 weights from ``mqa_logits_mx_inputs``, bf16 logits
 (0.34.0), and the varlen rows' request ``indices``; DeepGEMM's SM100 kernel
@@ -62,14 +65,9 @@ def _record(arch: str):
     return calls, result
 
 
-@pytest.fixture(scope="module")
-def recorded():
-    return {}
-
-
 @pytest.mark.vllm_release(*DSV41)
 @pytest.mark.parametrize("arch", list(kc.ARCHS))
-def test_selftest_calls_paged_mqa_logits_as_vllm_does(arch, recorded):
+def test_selftest_calls_paged_mqa_logits_as_vllm_does(arch):
     from vllm_mla_fixes.selftest import kernels as kn
 
     calls, result = _record(arch)
@@ -84,7 +82,36 @@ def test_selftest_calls_paged_mqa_logits_as_vllm_does(arch, recorded):
     ]
     assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
 
+    # The GPU tests' probe (tests/gpu/inprocess/call_probes.py) recomputes
+    # vLLM's call on this arch: it must take its form and read its cache as the
+    # self-test's reader does.
+    with kc.pretend_gpu(arch):  # the release's scale format on this arch
+        for call in theirs:
+            _check_probe(arch, call.tensors)
+
     # The keys' scale bytes read back as the writers stored them.
     gather = result.kernels.get(kn.INDEXER_GATHER)
     assert gather is not None and gather.compared, "the indexer prefill gather was not compared"
     assert not gather.problems, gather.problems
+
+
+def _check_probe(arch: str, t: dict) -> None:
+    from gpu.inprocess.call_probes import reference_paged_mqa_logits
+
+    from vllm_mla_fixes.selftest import kernels as kn
+
+    rows = reference_paged_mqa_logits(
+        t["q"], t["kv_cache"], t["weights"], t["context_lens"], t["block_table"], t["q_sf"]
+    )
+    assert rows, f"the probe found no rows in vLLM's call on {arch}"
+    standing_in = kn.paged_mqa_logits_stand_in(
+        t["q"],
+        t["kv_cache"],
+        t["weights"].float(),
+        t["context_lens"],
+        t["block_table"],
+        int(t["max_context_len"]),
+    )
+    for row, length, expected in rows:
+        assert torch.isfinite(expected).all(), f"row {row} on {arch}: {expected}"
+        torch.testing.assert_close(standing_in[row, :length], expected)
