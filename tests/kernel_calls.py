@@ -161,6 +161,50 @@ def recording(calls: list[Call], caller: list[str]):
         library._destroy()
 
 
+# The sliding-window writers of DeepSeek-V4.1's layers (CUDA only, in vllm._C):
+# the main forward's fused Q+KV insert, and the KV-only insert of forward_kv.
+SWA_WRITERS = (
+    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
+    "fused_deepseek_v4_kv_rope_insert",
+)
+
+
+@contextlib.contextmanager
+def recording_writers(calls: list[Call], caller: list[str]):
+    """vLLM's CUDA-only SWA writer ops exist meanwhile, declared with the
+    schemas compiled into the installed vLLM's extension, and record their
+    calls (they write nothing).  Fails where the host already has them."""
+    import re
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
+
+    vllm_dir = envelope.package_dir("vllm")
+    assert vllm_dir is not None
+    library = torch.library.Library("_C", "FRAGMENT")
+
+    def recorder(name: str):
+        def record(*args):
+            op = getattr(torch.ops._C, name)
+            calls.append(Call(f"_C.{name}", _bound(op, args), caller[0]))
+            if op.default._schema.returns:  # the padded query
+                q_in, pad = args[0], int(args[6])
+                return q_in.new_zeros(q_in.shape[0], max(pad, q_in.shape[1]), q_in.shape[2])
+            return None
+
+        return record
+
+    try:
+        for name in SWA_WRITERS:
+            assert not hasattr(torch.ops._C, name), f"{name} is loaded: record on a CPU host"
+            pattern = re.escape(name.encode()) + rb"\([^)]*\) -> (?:\(\)|Tensor)"
+            _, schema = envelope._vllm_extension(vllm_dir, pattern, f"the schema of {name}")
+            library.define(schema)
+            library.impl(name, recorder(name), "CPU")
+        yield
+    finally:
+        library._destroy()
+
+
 def preload() -> None:
     """Import what decides at import time (CUDA op tables, FlashMLA's
     availability) while the host still looks like what it is."""

@@ -411,8 +411,15 @@ class Run:
                 slots,
                 swa_md.block_size,
                 ref.RECORD_BYTES,
-                lambda c=cache, r=rows, p=pos, s=slots, b=swa_md.block_size: self.kernels.write_swa(
-                    c.module.kv_cache, r, p, inputs.cos_sin_dev, s, b
+                lambda c=cache, r=rows, p=pos, s=slots, m=swa_md: self.kernels.write_swa(
+                    c.module.kv_cache,
+                    r,
+                    p,
+                    inputs.cos_sin_dev,
+                    s,
+                    m.block_size,
+                    self.layout.readers[c.layer],
+                    m,
                 ),
             )
         for cache in self.layout.by_kind("compressed"):

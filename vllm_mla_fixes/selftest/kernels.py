@@ -1,12 +1,15 @@
 """The kernels the self-test runs on the pages: real on the device that has them, else stand-ins.
 
-Writers are what vLLM's DeepSeek-V4.1 layers call on SM90 and SM120 alike:
-the sliding-window insert (``torch.ops._C.fused_deepseek_v4_kv_rope_insert``,
-CUDA only: elsewhere its Triton twin ``quantize_and_insert_k_cache`` after the
-same RoPE, and on CPU :func:`insert_v4_records_stand_in`, which writes the
-bytes the interpreted twin writes), ``rope_quant_insert`` for the compressed KV
-cache and ``indexer_k_norm_rope_store`` for the indexer keys (Triton;
-interpreted on CPU).
+Writers are what vLLM's DeepSeek-V4.1 layers call: the main forward's
+sliding-window insert, the layer's own ``_fused_qnorm_rope_kv_insert``
+(``torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``, CUDA only;
+its KV half is bit for bit ``fused_deepseek_v4_kv_rope_insert``, as vLLM's
+``forward_kv`` says, whose Triton twin is ``quantize_and_insert_k_cache`` after
+the same RoPE; on CPU :func:`insert_v4_records_stand_in` writes the bytes the
+interpreted twin writes), ``rope_quant_insert`` for the compressed KV cache and
+``indexer_k_norm_rope_store`` for the indexer keys (Triton; interpreted on
+CPU).  On SM100 the releases write the SWA record as MXFP8 (528 bytes, the
+layer's ``kv_mxfp8``) and the indexer keys' scales as UE8M0x4.
 
 Readers are reached through vLLM's own entry points:
 
@@ -44,7 +47,7 @@ ATTENTION_DECODE = "attention decode (FlashInfer SM120 sparse MLA)"
 ATTENTION_PREFILL = "attention prefill (FlashInfer SM120 sparse MLA)"
 INDEXER_LOGITS = "indexer decode logits + top-k (DeepGEMM paged MQA)"
 INDEXER_GATHER = "indexer prefill K gather (cp_gather_indexer_k_quant_cache)"
-SWA_WRITER = "SWA writer (fused_deepseek_v4_kv_rope_insert)"
+SWA_WRITER = "SWA writer (fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert)"
 COMPRESSED_WRITER = "compressed KV writer (rope_quant_insert)"
 INDEXER_WRITER = "indexer K writer (indexer_k_norm_rope_store)"
 ZEROER = "new-block zeroing (KVBlockZeroer)"
@@ -130,7 +133,7 @@ class Kernels:
             COMPRESSED_WRITER: "real (Triton)",
             INDEXER_WRITER: "real (Triton)",
             ZEROER: "real (Triton)",
-            SWA_WRITER: op("_C", "fused_deepseek_v4_kv_rope_insert"),
+            SWA_WRITER: op("_C", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"),
             INDEXER_GATHER: op("_C_cache_ops", "cp_gather_indexer_k_quant_cache"),
         }
         if sources[SWA_WRITER].startswith("stand-in"):
@@ -169,11 +172,19 @@ class Kernels:
         cos_sin: torch.Tensor,
         slots: torch.Tensor,
         block_size: int,
+        layer=None,
+        swa_metadata=None,
     ) -> None:
-        """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied)."""
+        """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied).
+        On a GPU, the main forward's writer: ``layer``'s own
+        ``_fused_qnorm_rope_kv_insert`` with ``swa_metadata``, whose Q half
+        runs on a throwaway query."""
         if self.is_real(SWA_WRITER):
-            torch.ops._C.fused_deepseek_v4_kv_rope_insert(
-                kv, view, slots, positions, cos_sin, block_size, None, False
+            assert layer is not None and swa_metadata is not None
+            layer.rotary_emb = SimpleNamespace(cos_sin_cache=cos_sin)
+            query = kv.new_zeros(kv.shape[0], layer.n_local_heads, kv.shape[1])
+            layer._fused_qnorm_rope_kv_insert(
+                query, kv, positions, {layer.swa_cache_layer.prefix: swa_metadata}
             )
             return
         rotated = ref.rope_swa_rows(
