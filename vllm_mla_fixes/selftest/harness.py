@@ -487,8 +487,15 @@ class Run:
                 slots,
                 swa_md.block_size,
                 ref.RECORD_BYTES,
-                lambda c=cache, r=rows, p=pos, s=slots, b=swa_md.block_size: self.kernels.write_swa(
-                    c.module.kv_cache, r, p, inputs.cos_sin_dev, s, b
+                lambda c=cache, r=rows, p=pos, s=slots, m=swa_md: self.kernels.write_swa(
+                    c.module.kv_cache,
+                    r,
+                    p,
+                    inputs.cos_sin_dev,
+                    s,
+                    m.block_size,
+                    self.layout.readers[c.layer],
+                    m,
                 ),
             )
         for cache in self.layout.by_kind("compressed"):
@@ -766,6 +773,7 @@ class Run:
                     decode.block_table,
                     decode.schedule_metadata,
                     max_len,
+                    getattr(decode, "indices", None),  # SM100's varlen rows
                 )
 
             def paged_logits() -> None:
@@ -800,7 +808,9 @@ class Run:
 
             if not self.call(plan, kn.INDEXER_GATHER, cache.name, gather):
                 continue
-            got = dst_k.float().cpu() * dst_scale.cpu().view(torch.float32)
+            got = dst_k.float().cpu() * ref.index_key_scales(
+                dst_scale.cpu(), ref.index_scales_are_ue8m0x4()
+            )
             cu = chunk.local_cu_seq_lens.tolist()
             members = [s for s in spans if s[1] < chunk.token_end and s[2] > chunk.token_start]
             for b, (r, *_rest) in enumerate(members[: len(cu) - 1]):

@@ -1,12 +1,15 @@
 """The kernels the self-test runs on the pages: real on the device that has them, else stand-ins.
 
-Writers are what vLLM's DeepSeek-V4.1 layers call on SM90 and SM120 alike:
-the sliding-window insert (``torch.ops._C.fused_deepseek_v4_kv_rope_insert``,
-CUDA only: elsewhere its Triton twin ``quantize_and_insert_k_cache`` after the
-same RoPE, and on CPU :func:`insert_v4_records_stand_in`, which writes the
-bytes the interpreted twin writes), ``rope_quant_insert`` for the compressed KV
-cache and ``indexer_k_norm_rope_store`` for the indexer keys (Triton;
-interpreted on CPU).
+Writers are what vLLM's DeepSeek-V4.1 layers call: the main forward's
+sliding-window insert, the layer's own ``_fused_qnorm_rope_kv_insert``
+(``torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``, CUDA only;
+its KV half is bit for bit ``fused_deepseek_v4_kv_rope_insert``, as vLLM's
+``forward_kv`` says, whose Triton twin is ``quantize_and_insert_k_cache`` after
+the same RoPE; on CPU :func:`insert_v4_records_stand_in` writes the bytes the
+interpreted twin writes), ``rope_quant_insert`` for the compressed KV cache and
+``indexer_k_norm_rope_store`` for the indexer keys (Triton; interpreted on
+CPU).  On SM100 the releases write the SWA record as MXFP8 (528 bytes, the
+layer's ``kv_mxfp8``) and the indexer keys' scales as UE8M0x4.
 
 Readers are reached through vLLM's own entry points:
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -43,7 +47,7 @@ ATTENTION_DECODE = "attention decode (FlashInfer SM120 sparse MLA)"
 ATTENTION_PREFILL = "attention prefill (FlashInfer SM120 sparse MLA)"
 INDEXER_LOGITS = "indexer decode logits + top-k (DeepGEMM paged MQA)"
 INDEXER_GATHER = "indexer prefill K gather (cp_gather_indexer_k_quant_cache)"
-SWA_WRITER = "SWA writer (fused_deepseek_v4_kv_rope_insert)"
+SWA_WRITER = "SWA writer (fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert)"
 COMPRESSED_WRITER = "compressed KV writer (rope_quant_insert)"
 INDEXER_WRITER = "indexer K writer (indexer_k_norm_rope_store)"
 ZEROER = "new-block zeroing (KVBlockZeroer)"
@@ -129,7 +133,7 @@ class Kernels:
             COMPRESSED_WRITER: "real (Triton)",
             INDEXER_WRITER: "real (Triton)",
             ZEROER: "real (Triton)",
-            SWA_WRITER: op("_C", "fused_deepseek_v4_kv_rope_insert"),
+            SWA_WRITER: op("_C", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"),
             INDEXER_GATHER: op("_C_cache_ops", "cp_gather_indexer_k_quant_cache"),
         }
         if sources[SWA_WRITER].startswith("stand-in"):
@@ -168,11 +172,19 @@ class Kernels:
         cos_sin: torch.Tensor,
         slots: torch.Tensor,
         block_size: int,
+        layer=None,
+        swa_metadata=None,
     ) -> None:
-        """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied)."""
+        """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied).
+        On a GPU, the main forward's writer: ``layer``'s own
+        ``_fused_qnorm_rope_kv_insert`` with ``swa_metadata``, whose Q half
+        runs on a throwaway query."""
         if self.is_real(SWA_WRITER):
-            torch.ops._C.fused_deepseek_v4_kv_rope_insert(
-                kv, view, slots, positions, cos_sin, block_size, None, False
+            assert layer is not None and swa_metadata is not None
+            layer.rotary_emb = SimpleNamespace(cos_sin_cache=cos_sin)
+            query = kv.new_zeros(kv.shape[0], layer.n_local_heads, kv.shape[1])
+            layer._fused_qnorm_rope_kv_insert(
+                query, kv, positions, {layer.swa_cache_layer.prefix: swa_metadata}
             )
             return
         rotated = ref.rope_swa_rows(
@@ -241,9 +253,15 @@ class Kernels:
         block_table: torch.Tensor,
         schedule: torch.Tensor,
         max_len: int,
+        indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Indexer decode logits [rows, max_len] as ``sparse_attn_indexer``
-        asks DeepGEMM for them (fp8 cache: no q scale tensor)."""
+        asks DeepGEMM for them on this device: fp8 Q with its scale folded
+        into the weights; on SM100 (0.33.0 on) also the unit MX Q scales and
+        weights that vLLM's ``mqa_logits_mx_inputs`` makes, the logits dtype
+        the release's DeepSeek config resolves, and the varlen rows' request
+        ``indices`` the metadata builder made (tests/test_selftest_kernel_calls.py
+        compares this call with vLLM's own, per release and arch)."""
         if not self.is_real(INDEXER_LOGITS):
             device = q_fp8.device
             return paged_mqa_logits_stand_in(
@@ -257,14 +275,31 @@ class Kernels:
         from vllm.utils import deep_gemm
 
         func = deep_gemm.fp8_fp4_paged_mqa_logits
-        extra = {}
         params = inspect.signature(func).parameters
+        logits_dtype = indexer_logits_dtype()
+        q_scale = None
+        mx_inputs = getattr(deep_gemm, "mqa_logits_mx_inputs", None)  # 0.33.0 on
+        if mx_inputs is not None:
+            dtype_arg = (
+                (logits_dtype,) if "logits_dtype" in inspect.signature(mx_inputs).parameters else ()
+            )
+            q_scale, weights = mx_inputs(q_fp8, None, weights, *dtype_arg)
+        extra: dict[str, object] = {}
         if "clean_logits" in params:  # 0.32.0
             extra["clean_logits"] = False
         if "logits_dtype" in params:
-            extra["logits_dtype"] = torch.float32
+            extra["logits_dtype"] = logits_dtype
+        if indices is not None:
+            extra["indices"] = indices
         return func(
-            (q_fp8, None), kv_view, weights, context_lens, block_table, schedule, max_len, **extra
+            (q_fp8, q_scale),
+            kv_view,
+            weights,
+            context_lens,
+            block_table,
+            schedule,
+            max_len,
+            **extra,
         )
 
     def gather_k(self, kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
@@ -388,11 +423,28 @@ def paged_mqa_logits_stand_in(
                 continue
             s = torch.arange(length)
             flat = block_table[b, s // rows].to(torch.int64) * rows + s % rows
-            keys = ref.read_index_keys(cache, flat)
+            keys = ref.read_index_keys(cache, flat, ref.index_scales_are_ue8m0x4())
             out[b * next_n + n, :length] = ref.index_logits(
                 q_fp8[b, n], weights[b * next_n + n], keys
             )
     return out
+
+
+def indexer_logits_dtype() -> torch.dtype:
+    """The indexer logits dtype a default ``vllm serve`` of DeepSeek-V4.1
+    resolves on this device: the release's own config hook decides (0.34.0:
+    bf16 where the MQA logits kernels reduce in bf16, i.e. SM100, else fp32);
+    releases without the setting emit fp32."""
+    from vllm.config import AttentionConfig
+    from vllm.model_executor.models import config as model_configs
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    resolve = getattr(model_configs, "_set_deepseek_indexer_logits_dtype", None)
+    attention = AttentionConfig()
+    if resolve is None or not hasattr(attention, "indexer_logits_dtype"):
+        return torch.float32
+    resolve(SimpleNamespace(attention_config=attention))
+    return STR_DTYPE_TO_TORCH_DTYPE[attention.indexer_logits_dtype]
 
 
 def gather_indexer_k_stand_in(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:

@@ -353,6 +353,18 @@ def _new_sm120_attention(prefix: str, layer: int, ratio: int, model: TinyModel, 
         (model.max_num_batched_tokens, model.index_topk), -1, dtype=torch.int32, device=device
     )
     attn.attn_sink = torch.zeros(model.q_heads, dtype=torch.float32, device=device)
+    # What DeepseekV4Attention.__init__ sets for _fused_qnorm_rope_kv_insert,
+    # the main forward's SWA writer (one GPU, no context parallelism); the
+    # self-test points ``rotary_emb`` at its own cos/sin table per run.
+    from vllm.models.deepseek_v41 import attention as v41
+
+    attn.n_local_heads = model.q_heads
+    attn.padded_heads = attn.get_padded_num_q_heads(model.q_heads)
+    attn.eps = model.rms_norm_eps
+    attn.use_pcp = False
+    attn.kv_mxfp8 = v41._use_v41_mxfp8_kv_record()  # the SM100 record (528 bytes)
+    attn.max_num_batched_tokens = model.max_num_batched_tokens
+    attn._pads_q_by_copy = False  # only 32 of 64 padded heads pad by copy
     return attn
 
 

@@ -265,8 +265,28 @@ def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
-def read_index_keys(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Dequantised index keys [N, 128] at flat state indices idx [N] (>= 0)."""
+def index_scales_are_ue8m0x4() -> bool:
+    """Whether the installed release's indexer K writers store each key's
+    power-of-two scale as four equal UE8M0 bytes instead of an fp32: on SM100,
+    whose DeepGEMM MQA logits kernels take only MX scales.  vLLM's own
+    ``mqa_logits_use_mx_scales`` decides (0.33.0 on); 0.32.0 always writes fp32."""
+    from vllm.utils import deep_gemm
+
+    decide = getattr(deep_gemm, "mqa_logits_use_mx_scales", None)
+    return bool(decide is not None and decide())
+
+
+def index_key_scales(raw: torch.Tensor, ue8m0x4: bool) -> torch.Tensor:
+    """The fp32 scales [N, 1] of index keys from their 4 scale bytes [N, 4]."""
+    raw = raw.contiguous()
+    if ue8m0x4:  # byte = exponent + 127, four times
+        return torch.exp2(raw[:, :1].to(torch.float32) - 127.0)
+    return raw.view(torch.float32)
+
+
+def read_index_keys(view: torch.Tensor, idx: torch.Tensor, ue8m0x4: bool = False) -> torch.Tensor:
+    """Dequantised index keys [N, 128] at flat state indices idx [N] (>= 0),
+    their scales fp32 or UE8M0x4 (:func:`index_scales_are_ue8m0x4`)."""
     pbs, page_stride = page_geometry(view, INDEX_RECORD)
     flat = storage_bytes(view)
     idx = idx.to(torch.int64)
@@ -275,7 +295,7 @@ def read_index_keys(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     values = gather_bytes(flat, base + row * INDEX_DIM, INDEX_DIM)
     scale = gather_bytes(flat, base + pbs * INDEX_DIM + row * 4, 4)
     keys = values.contiguous().view(torch.float8_e4m3fn).float()
-    return keys * scale.contiguous().view(torch.float32)
+    return keys * index_key_scales(scale, ue8m0x4)
 
 
 def index_logits(q_fp8: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

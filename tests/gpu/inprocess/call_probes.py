@@ -314,14 +314,31 @@ def referenced_pages(cache, block_table, lengths):
     return compact.cpu(), renumbered
 
 
-def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tables):
+def dequantised_q(q_fp8, q_scale):
+    """The indexer's fp8 queries [B, next_n, H, 128] as fp32, times their MX
+    scales where the call has them (SM100: int32 [B, next_n, H], four UE8M0
+    exponents a head, one per 32 dims; vLLM's fp8 path passes unit scales)."""
+    import torch
+
+    q = q_fp8.float().cpu()
+    if q_scale is None:
+        return q
+    exponents = q_scale.contiguous().cpu().view(torch.uint8).reshape(*q_scale.shape, 4)
+    scales = torch.exp2(exponents.float() - 127.0)
+    blocks = q.reshape(*q.shape[:-1], 4, q.shape[-1] // 4)
+    return (blocks * scales[..., None]).reshape(q.shape)
+
+
+def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tables, q_scale=None):
     """Per row ``(row, length, logits[length])`` of the indexer's decode scores,
-    read through the block table from the bound view (fp8 q, scale in the
-    weights), on the CPU."""
+    read through the block table from the bound view (fp8 q, its scale in the
+    weights; on SM100 also unit MX q scales, keys' scales UE8M0x4, and varlen
+    rows: one context length and one block-table row per query row), on the CPU."""
     import torch
 
     from vllm_mla_fixes.selftest import reference as ref
 
+    ue8m0x4 = ref.index_scales_are_ue8m0x4()
     batch, next_n = int(q_fp8.shape[0]), int(q_fp8.shape[1])
     lens = context_lens.reshape(batch, -1).long().cpu()
     if lens.shape[1] != next_n:
@@ -329,7 +346,7 @@ def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tab
     pages, table = referenced_pages(kv_cache, block_tables, lens.amax(dim=1).tolist())
     cache = pages[:, :, 0] if pages.dim() == 4 else pages
     rows_per_page = int(cache.shape[1])
-    q_fp8, weights = q_fp8.cpu(), weights.float().cpu()
+    q, weights = dequantised_q(q_fp8, q_scale), weights.float().cpu()
     out = []
     for b in range(batch):
         for n in range(next_n):
@@ -338,9 +355,9 @@ def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tab
                 continue
             s = torch.arange(length)
             flat = table[b, s // rows_per_page].long() * rows_per_page + s % rows_per_page
-            keys = ref.read_index_keys(cache, flat)
+            keys = ref.read_index_keys(cache, flat, ue8m0x4)
             row = b * next_n + n
-            out.append((row, length, ref.index_logits(q_fp8[b, n], weights[row], keys)))
+            out.append((row, length, ref.index_logits(q[b, n], weights[row], keys)))
     return out
 
 
@@ -371,12 +388,10 @@ def instrument_indexer_logits(module) -> None:
             emit(record)
             raise
         try:
-            if q_scale is not None:
-                raise NotImplementedError("MXFP4 q (this test serves an fp8 indexer cache)")
-            if call.get("indices") is not None:
-                raise NotImplementedError("varlen rows (SM100's form, not SM120's)")
+            if q_scale is not None and q_scale.dtype != torch.int32:
+                raise NotImplementedError(f"{q_scale.dtype} q scales (an MXFP4 indexer cache)")
             rows = reference_paged_mqa_logits(
-                q, kv_cache, call["weights"], call["context_lens"], call["block_tables"]
+                q, kv_cache, call["weights"], call["context_lens"], call["block_tables"], q_scale
             )
             got = torch.cat([logits[row, :length].float().cpu() for row, length, _ in rows])
             want = torch.cat([expected for _, _, expected in rows])
