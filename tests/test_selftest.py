@@ -43,7 +43,9 @@ DSV41 = ("0.32.0", "0.33.0", "0.34.0")
 TIMEOUT_S = 1800
 REGRESSED_FIX = """\
 # The fix as a regression would leave it: the ratio-1 writers keep manager-block slots.
-import vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply as fix_apply
+# (The module itself: the package's ``apply`` attribute is its apply function.)
+import importlib
+fix_apply = importlib.import_module("vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply")
 fix_apply._with_kernel_slots = lambda original: original
 """
 
