@@ -21,6 +21,14 @@ installed sources (paths relative to the package; FlashInfer 0.7.0.post1):
   clamped to ``[0, width]``; a candidate past the length or with index ``-1``
   is masked; the two segments share one softmax, and the attention sink adds
   ``exp(sink - max)`` to its denominator.
+* On SM100 the layers write the window KV as DeepSeek's V4.1 MXFP8 record
+  instead (the layer's ``kv_mxfp8``, vLLM ``models/deepseek_v41/attention.py``
+  ``_use_v41_mxfp8_kv_record``; the record in ``common/ops/cache_utils.py``'s
+  header and its Triton twin ``_quantize_and_insert_k_mxfp8_kernel``): per
+  token all 512 dims (RoPE included) as fp8 e4m3 at ``row * 528``, each 32
+  dims divided by the power of two ``2 ** ceil(log2(max(amax, 1e-4) / 448))``,
+  followed by that token's own 16 UE8M0 bytes (exponent + 127): 528 bytes,
+  records back to back in the page, no scale region at its end.
 * Indexer cache (the writer ``indexer_k_norm_rope_store``, vLLM
   ``models/deepseek_v41/common/ops/indexer_k_store.py``; read through the
   block table by DeepGEMM's paged MQA logits): per state 128 fp8-e4m3 bytes at
@@ -47,6 +55,9 @@ FOOTER_BYTES = 8
 RECORD_BYTES = DATA_BYTES + FOOTER_BYTES  # 584
 TILE = 64
 NUM_SCALES = NOPE // TILE  # 7
+MX_TILE = 32  # dims per UE8M0 scale of the V4.1 MXFP8 record
+MX_SCALES = HEAD // MX_TILE  # 16
+MX_RECORD_BYTES = HEAD + MX_SCALES  # 528
 FP8_MAX = 448.0
 INDEX_DIM = 128
 INDEX_ROPE = 64
@@ -139,13 +150,21 @@ def _ue8m0_exponent(amax: torch.Tensor, divide: bool) -> torch.Tensor:
     return torch.ceil(torch.log2(ratio))
 
 
-def quant_dequant_nope(nope: torch.Tensor, rounding: Rounding, divide: bool) -> torch.Tensor:
-    """[N, 448] fp32 -> fp32 values the V4 record's fp8 part decodes to."""
-    tiles = nope.to(torch.float32).reshape(-1, NUM_SCALES, TILE)
+def _quant_dequant_tiles(
+    values: torch.Tensor, tile: int, rounding: Rounding, divide: bool
+) -> torch.Tensor:
+    """[N, D] fp32 -> the fp32 values fp8 e4m3 with one UE8M0 scale per
+    ``tile`` dims decodes to."""
+    tiles = values.to(torch.float32).reshape(values.shape[0], -1, tile)
     exp = _ue8m0_exponent(tiles.abs().amax(dim=-1), divide)
     scaled = torch.clamp(tiles * torch.exp2(-exp)[..., None], -FP8_MAX, FP8_MAX)
     fp8 = rounding.to_fp8(scaled).to(torch.float32)
-    return (fp8 * torch.exp2(exp)[..., None]).reshape(nope.shape)
+    return (fp8 * torch.exp2(exp)[..., None]).reshape(values.shape)
+
+
+def quant_dequant_nope(nope: torch.Tensor, rounding: Rounding, divide: bool) -> torch.Tensor:
+    """[N, 448] fp32 -> fp32 values the V4 record's fp8 part decodes to."""
+    return _quant_dequant_tiles(nope, TILE, rounding, divide)
 
 
 def gptj_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,9 +185,13 @@ def rope_swa_rows(kv_bf16: torch.Tensor, angles: torch.Tensor, rounding: Roundin
     return torch.cat([kv_bf16[:, :NOPE], rounding.to_bf16(rot)], dim=1)
 
 
-def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding, mxfp8: bool) -> torch.Tensor:
     """Sliding-window rows stored by ``quantize_and_insert_k_cache``: the
-    input is the already-rotated KV row; NoPE quantised, RoPE copied."""
+    input is the already-rotated KV row.  V4 record: NoPE quantised (the
+    exponent from ``amax / 448``), RoPE copied; V4.1 MXFP8 record
+    (``mxfp8``): all 512 dims quantised per 32 (from ``amax * (1 / 448)``)."""
+    if mxfp8:
+        return _quant_dequant_tiles(rows_bf16.float(), MX_TILE, rounding, divide=False)
     nope = quant_dequant_nope(rows_bf16[:, :NOPE].float(), rounding, divide=True)
     return torch.cat([nope, rows_bf16[:, NOPE:].float()], dim=1)
 
@@ -265,6 +288,29 @@ def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
+def read_mxfp8_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised K=V rows [N, 512] of V4.1 MXFP8 records at flat slot
+    indices idx [N] (>= 0): each record's 512 fp8 bytes, then its 16 scales."""
+    pbs, page_stride = page_geometry(view, MX_RECORD_BYTES)
+    flat = storage_bytes(view)
+    idx = idx.to(torch.int64)
+    page, row = idx // pbs, idx % pbs
+    record = gather_bytes(
+        flat, view.storage_offset() + page * page_stride + row * MX_RECORD_BYTES, MX_RECORD_BYTES
+    )
+    values = record[:, :HEAD].contiguous().view(torch.float8_e4m3fn).float()
+    scales = torch.exp2(record[:, HEAD:].float() - 127.0)
+    return values * scales.repeat_interleave(MX_TILE, dim=1)
+
+
+def read_kv_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised K=V rows of whichever record the cache holds (its row width
+    names it, as vLLM's readers tell them apart)."""
+    if view.shape[-1] == MX_RECORD_BYTES:
+        return read_mxfp8_rows(view, idx)
+    return read_v4_rows(view, idx)
+
+
 def index_scales_are_ue8m0x4() -> bool:
     """Whether the installed release's indexer K writers store each key's
     power-of-two scale as four equal UE8M0 bytes instead of an fp32: on SM100,
@@ -354,10 +400,10 @@ def sm120_sparse_decode(
     extra = compressed cache with the global top-k indices and lengths."""
     out = torch.empty(q.shape, dtype=torch.float32)
     for t in range(q.shape[0]):
-        rows = [read_v4_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
+        rows = [read_kv_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
         if extra_cache is not None:
             assert extra_indices is not None and extra_lens is not None
-            rows.append(read_v4_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
+            rows.append(read_kv_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
         out[t] = sink_softmax_attention(q[t], torch.cat(rows), sink, scale)
     return out
 
