@@ -522,10 +522,12 @@ def insert_mxfp8_records_stand_in(
     records, the SM100 window KV) as its Triton kernel computes it under
     Triton's interpreter, all tokens at once.
 
-    Token ``t`` with a slot other than -1: page ``slot // block_size``, record
-    at ``row * 528``: its 512 dims as fp8, each tile of 32 multiplied by
-    ``2 ** -ceil(log2(max(amax, 1e-4) * (1 / 448)))``, then the 16 exponents
-    + 127.  Later tokens' records overwrite earlier ones on the same slot.
+    Token ``t`` with a slot other than -1: page ``slot // block_size``; its
+    512 dims as fp8, each tile of 32 multiplied by
+    ``2 ** -ceil(log2(max(amax, 1e-4) * (1 / 448)))``, and the 16 exponents
+    + 127, where the release's layout puts them
+    (:func:`.reference.mxfp8_addresses`).  Later tokens' records overwrite
+    earlier ones on the same slot.
     """
     slots = slot_mapping.to(torch.int64).cpu()
     if bool((slots < -1).any()):
@@ -541,12 +543,12 @@ def insert_mxfp8_records_stand_in(
     scaled = torch.clamp(tiles * torch.exp2(-exponent)[..., None], -ref.FP8_MAX, ref.FP8_MAX)
     fp8 = ref.interpreter_rounding().to_fp8(scaled).view(torch.uint8).reshape(-1, ref.HEAD)
     scales = torch.clamp(exponent + 127.0, 0.0, 255.0).to(torch.uint8)
-    records = torch.cat([fp8, scales], dim=1)
     page = k_cache.storage_offset() + (slots // block_size) * k_cache.stride(0)
-    at = (page + (slots % block_size) * ref.MX_RECORD_BYTES)[:, None] + torch.arange(
-        ref.MX_RECORD_BYTES
-    )
+    values_at, scales_at = ref.mxfp8_addresses(page, slots % block_size, block_size)
+    values_at = values_at[:, None] + torch.arange(ref.HEAD)
+    scales_at = scales_at[:, None] + torch.arange(ref.MX_SCALES)
     flat = ref.storage_bytes(k_cache)
-    records = records.to(flat.device)
+    fp8, scales = fp8.to(flat.device), scales.to(flat.device)
     for t in range(len(tokens)):
-        flat[at[t]] = records[t]
+        flat[values_at[t]] = fp8[t]
+        flat[scales_at[t]] = scales[t]

@@ -25,10 +25,13 @@ installed sources (paths relative to the package; FlashInfer 0.7.0.post1):
   instead (the layer's ``kv_mxfp8``, vLLM ``models/deepseek_v41/attention.py``
   ``_use_v41_mxfp8_kv_record``; the record in ``common/ops/cache_utils.py``'s
   header and its Triton twin ``_quantize_and_insert_k_mxfp8_kernel``): per
-  token all 512 dims (RoPE included) as fp8 e4m3 at ``row * 528``, each 32
-  dims divided by the power of two ``2 ** ceil(log2(max(amax, 1e-4) / 448))``,
-  followed by that token's own 16 UE8M0 bytes (exponent + 127): 528 bytes,
-  records back to back in the page, no scale region at its end.
+  token all 512 dims (RoPE included) as fp8 e4m3, each 32 dims divided by
+  the power of two ``2 ** ceil(log2(max(amax, 1e-4) / 448))``, and 16 UE8M0
+  bytes (exponent + 127): 528 bytes.  From 0.33.0 each token's scales follow
+  its own values (record at ``row * 528``); 0.32.0 puts the values at
+  ``row * 512`` and the scales at ``pbs * 512 + row * 16``, after all the
+  page's values, as in V4's record (:func:`mxfp8_scales_follow_each_row`
+  asks the release's writer which).
 * Indexer cache (the writer ``indexer_k_norm_rope_store``, vLLM
   ``models/deepseek_v41/common/ops/indexer_k_store.py``; read through the
   block table by DeepGEMM's paged MQA logits): per state 128 fp8-e4m3 bytes at
@@ -42,6 +45,7 @@ latents did.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -288,18 +292,50 @@ def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
+@functools.cache
+def mxfp8_scales_follow_each_row() -> bool:
+    """Whether the installed release's V4.1 MXFP8 record keeps each token's
+    scales right after its values (0.33.0 on), rather than after all the
+    page's values (0.32.0): its own writer, ``quantize_and_insert_k_cache``,
+    answers for a one-token write into a two-row page."""
+    from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    page = torch.zeros(1, 2 * MX_RECORD_BYTES, dtype=torch.uint8, device=device)
+    row = torch.ones(1, HEAD, dtype=torch.bfloat16, device=device)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    quantize_and_insert_k_cache(row, page, slot, block_size=2, bytes_per_token=MX_RECORD_BYTES)
+    written = set(torch.nonzero(page[0].cpu()).flatten().tolist())
+    if written == set(range(MX_RECORD_BYTES)):
+        return True
+    if written == set(range(HEAD)) | set(range(2 * HEAD, 2 * HEAD + MX_SCALES)):
+        return False
+    raise RuntimeError(
+        f"the release's MXFP8 writer wrote bytes {sorted(written)[:4]}...{sorted(written)[-4:]} "
+        "of a two-row page: neither V4.1 record layout the self-test knows"
+    )
+
+
+def mxfp8_addresses(page: torch.Tensor, row: torch.Tensor, pbs: int) -> tuple:
+    """Start of each token's 512 values and of its 16 scales, from its page's
+    start and its row in the page (the release's layout)."""
+    if mxfp8_scales_follow_each_row():
+        values = page + row * MX_RECORD_BYTES
+        return values, values + HEAD
+    return page + row * HEAD, page + pbs * HEAD + row * MX_SCALES
+
+
 def read_mxfp8_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Dequantised K=V rows [N, 512] of V4.1 MXFP8 records at flat slot
-    indices idx [N] (>= 0): each record's 512 fp8 bytes, then its 16 scales."""
+    indices idx [N] (>= 0)."""
     pbs, page_stride = page_geometry(view, MX_RECORD_BYTES)
     flat = storage_bytes(view)
     idx = idx.to(torch.int64)
-    page, row = idx // pbs, idx % pbs
-    record = gather_bytes(
-        flat, view.storage_offset() + page * page_stride + row * MX_RECORD_BYTES, MX_RECORD_BYTES
+    values_at, scales_at = mxfp8_addresses(
+        view.storage_offset() + (idx // pbs) * page_stride, idx % pbs, pbs
     )
-    values = record[:, :HEAD].contiguous().view(torch.float8_e4m3fn).float()
-    scales = torch.exp2(record[:, HEAD:].float() - 127.0)
+    values = gather_bytes(flat, values_at, HEAD).contiguous().view(torch.float8_e4m3fn).float()
+    scales = torch.exp2(gather_bytes(flat, scales_at, MX_SCALES).float() - 127.0)
     return values * scales.repeat_interleave(MX_TILE, dim=1)
 
 
