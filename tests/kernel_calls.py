@@ -177,6 +177,7 @@ def recording_writers(calls: list[Call], caller: list[str]):
     import re
 
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.envelope import vllm_kernels
 
     vllm_dir = envelope.package_dir("vllm")
     assert vllm_dir is not None
@@ -197,7 +198,7 @@ def recording_writers(calls: list[Call], caller: list[str]):
         for name in SWA_WRITERS:
             assert not hasattr(torch.ops._C, name), f"{name} is loaded: record on a CPU host"
             pattern = re.escape(name.encode()) + rb"\([^)]*\) -> (?:\(\)|Tensor)"
-            _, schema = envelope._vllm_extension(vllm_dir, pattern, f"the schema of {name}")
+            _, schema = vllm_kernels._vllm_extension(vllm_dir, pattern, f"the schema of {name}")
             library.define(schema)
             library.impl(name, recorder(name), "CPU")
         yield

@@ -383,29 +383,89 @@ def _v4_rows(count: int, gen):
     return rows.to(torch.bfloat16)
 
 
+def _swa_records(mxfp8: bool):
+    """(record bytes the release names, the self-test's stand-in writer of it)."""
+    from vllm.models.deepseek_v41.common.ops import cache_utils
+
+    from vllm_mla_fixes.selftest import kernels
+
+    if mxfp8:
+        return cache_utils.V41_BYTES_PER_TOKEN, kernels.insert_mxfp8_records_stand_in
+    return cache_utils.V4_BYTES_PER_TOKEN, kernels.insert_v4_records_stand_in
+
+
+def _swa_pages(rows, slots, write, record: int, **kwargs):
+    """Writes ``rows`` at ``slots`` into 5 pages of 16 records with padding,
+    in a view that starts inside its allocation; (allocation, view)."""
+    import torch
+
+    block_size, pages = 16, 5
+    page_bytes = block_size * record + 200  # aligned pages leave padding after the records
+    storage = torch.full((300 + pages * page_bytes + 100,), 0xA5, dtype=torch.uint8)
+    view = storage[300 : 300 + pages * page_bytes].view(pages, page_bytes)
+    write(rows, view, slots, block_size=block_size, **kwargs)
+    return storage, view
+
+
 @pytest.mark.vllm_release(*DSV41)
-def test_swa_stand_in_writes_the_bytes_the_interpreted_triton_twin_writes():
+@pytest.mark.parametrize("mxfp8", [False, True], ids=["v4-record", "v41-mxfp8-record"])
+def test_swa_stand_in_writes_the_bytes_the_interpreted_triton_twin_writes(mxfp8):
     """On CPU the self-test's SWA writer is the stand-in for the twin's
-    one-program-per-token interpretation: both write the same bytes -- pages
-    with padding, a view that starts inside its allocation, -1 slots skipped,
-    rows past the slot count unread, and two tokens on one slot (the later wins)."""
+    one-program-per-token interpretation, for the V4 record and SM100's V4.1
+    MXFP8 one (``bytes_per_token``): both write the same bytes -- pages with
+    padding, a view that starts inside its allocation, -1 slots skipped, rows
+    past the slot count unread, and two tokens on one slot (the later wins)."""
     import torch
     from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
 
-    from vllm_mla_fixes.selftest.kernels import insert_v4_records_stand_in
-
+    record, stand_in = _swa_records(mxfp8)
     gen = torch.Generator().manual_seed(5)
-    block_size, pages = 16, 5
-    page_bytes = block_size * 584 + 200  # aligned pages leave padding after the scales
     slots = torch.tensor([3, -1, 17, 0, 79, 40, 41, 17, 63, -1, 5, 33], dtype=torch.int64)
     rows = _v4_rows(slots.numel() + 2, gen)
-    caches = []
-    for write in (quantize_and_insert_k_cache, insert_v4_records_stand_in):
-        storage = torch.full((300 + pages * page_bytes + 100,), 0xA5, dtype=torch.uint8)
-        view = storage[300 : 300 + pages * page_bytes].view(pages, page_bytes)
-        write(rows, view, slots, block_size=block_size)
-        caches.append(storage)
-    twin, stand_in = caches
-    differ = torch.nonzero(twin != stand_in).flatten()
+    twin, _ = _swa_pages(rows, slots, quantize_and_insert_k_cache, record, bytes_per_token=record)
+    ours, _ = _swa_pages(rows, slots, stand_in, record)
+    differ = torch.nonzero(twin != ours).flatten()
     assert differ.numel() == 0, f"{differ.numel()} bytes differ, first at {differ[:8].tolist()}"
-    assert int((twin != 0xA5).sum()) > 9 * 580  # the writes happened
+    assert int((twin != 0xA5).sum()) > 9 * (record - 4)  # the writes happened
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("mxfp8", [False, True], ids=["v4-record", "v41-mxfp8-record"])
+def test_swa_records_read_back_as_the_dense_reference(mxfp8):
+    """The stand-in reader decodes what vLLM's Triton writer (interpreted)
+    stored, record by record, to exactly the dense reference's rows; and
+    vLLM's own Triton gather (``dequantize_and_gather_k_cache_triton``, which
+    tells the records apart by width) reads the same values from those pages."""
+    import torch
+    from vllm.models.deepseek_v41.common.ops.cache_utils import (
+        dequantize_and_gather_k_cache_triton,
+        quantize_and_insert_k_cache,
+    )
+
+    from vllm_mla_fixes.selftest import reference as ref
+
+    record, _ = _swa_records(mxfp8)
+    gen = torch.Generator().manual_seed(9)
+    slots = torch.tensor([3, 17, 0, 79, 40, 41, 63, 5, 33, 18], dtype=torch.int64)
+    rows = _v4_rows(slots.numel(), gen)
+    _, view = _swa_pages(rows, slots, quantize_and_insert_k_cache, record, bytes_per_token=record)
+    pages = view[:, : 16 * record].view(view.shape[0], 16, 1, record)
+    pages = torch.as_strided(pages, pages.shape, (view.stride(0), record, record, 1))
+    got = ref.read_kv_rows(pages, slots)
+    want = ref.dense_swa_rows(rows, ref.interpreter_rounding(), mxfp8)
+    assert torch.equal(got, want), float((got - want).abs().max())
+
+    # vLLM's reader of both records, one request holding slots 0..23 of pages 0, 1.
+    gathered = torch.zeros(1, 24, 512, dtype=torch.bfloat16)
+    dequantize_and_gather_k_cache_triton(
+        gathered,
+        pages[:, :, 0],
+        torch.tensor([24], dtype=torch.int32),
+        None,
+        torch.tensor([[0, 1]], dtype=torch.int32),
+        16,
+        0,
+    )
+    held = [i for i, slot in enumerate(slots.tolist()) if slot < 24]
+    local = slots[held]
+    torch.testing.assert_close(gathered[0, local].float(), want[held].to(torch.bfloat16).float())

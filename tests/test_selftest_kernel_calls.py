@@ -16,8 +16,10 @@ arch's recorded call.
 The window KV: vLLM's main forward writes it through the layer's
 ``_fused_qnorm_rope_kv_insert`` (``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``);
 recorded at that op, declared with the schema compiled into the release, the
-self-test's write must be the same call.  On SM100 the layer writes a 528-byte
-MXFP8 record the self-test's layout does not hold yet: an expected failure.
+self-test's write must be the same call, into a cache of the record the layer
+writes on that arch (the 528-byte V4.1 MXFP8 record on SM100, else the 584-byte
+V4 one): the record, the page alignment and the block-stride alignment are the
+values the layer's own ``__init__`` statements compute on that arch.
 """
 
 from __future__ import annotations
@@ -132,11 +134,13 @@ def _record_writers(arch: str):
     calls: list[kc.Call] = []
     caller = ["builder"]
     original = harness.Run.write
+    swa_caches = []
 
     def write(run, batch, block_ids):
         # vLLM's main forward publishes each layer's window KV through the
         # layer's _fused_qnorm_rope_kv_insert (DeepseekV4Attention.forward).
         caller[0] = "vllm"
+        swa_caches[:] = run.layout.by_kind("swa")
         for cache in run.layout.by_kind("swa"):
             layer = run.layout.readers[cache.layer]
             layer.rotary_emb = SimpleNamespace(cos_sin_cache=run.inputs.cos_sin_dev)
@@ -157,36 +161,69 @@ def _record_writers(arch: str):
     try:
         with kc.pretend_gpu(arch), kc.recording(calls, caller), kc.recording_writers(calls, caller):
             result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
-            from vllm.models.deepseek_v41 import attention as v41
-
-            server_record = 528 if v41._use_v41_mxfp8_kv_record() else 584
+            layer = _layer_swa_cache_arguments()
     finally:
         harness.Run.write = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
-    return calls, server_record
+    return calls, layer, swa_caches
+
+
+def _layer_swa_cache_arguments() -> dict:
+    """What ``DeepseekV4Attention.__init__`` of the installed release gives its
+    SWA cache on this (pretended) arch under ``--kv-cache-dtype fp8``: its own
+    statements that set ``kv_mxfp8``, the record widths and the page
+    alignment, run on a bare object in the module's namespace, then the
+    ``DeepseekV4SWACache(...)`` call's packing arguments evaluated on it."""
+    import ast
+    import inspect
+    import textwrap
+    from types import SimpleNamespace
+
+    from vllm.models.deepseek_v41 import attention as v41
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(v41.DeepseekV4Attention.__init__)))
+    wanted = ("kv_mxfp8", "swa_bytes_per_token", "compressed_bytes_per_token", "kv_page_alignment")
+    statements = {
+        node.targets[0].attr: node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Attribute)
+        and isinstance(node.targets[0].value, ast.Name)
+        and node.targets[0].value.id == "self"
+        and node.targets[0].attr in wanted
+    }
+    assert set(statements) == set(wanted), (
+        f"__init__ no longer sets {set(wanted) - set(statements)}"
+    )
+    self = SimpleNamespace(kv_cache_dtype="fp8_ds_mla")
+    namespace = dict(vars(v41))
+    body = sorted(statements.values(), key=lambda node: node.lineno)
+    exec(
+        compile(ast.Module(body=body, type_ignores=[]), "<__init__>", "exec"),
+        namespace,
+        {"self": self},
+    )
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DeepseekV4SWACache"
+    ]
+    assert len(calls) == 1, f"{len(calls)} DeepseekV4SWACache calls in __init__"
+    arguments = {
+        keyword.arg: eval(
+            compile(ast.Expression(keyword.value), "<__init__>", "eval"), namespace, {"self": self}
+        )
+        for keyword in calls[0].keywords
+        if keyword.arg and keyword.arg.startswith("packed_")
+    }
+    return {"kv_mxfp8": self.kv_mxfp8, **arguments}
 
 
 @pytest.mark.vllm_release(*DSV41)
-@pytest.mark.parametrize(
-    "arch",
-    [
-        pytest.param(
-            arch,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="SM100 writes 528-byte MXFP8 SWA records (kv_mxfp8); the self-test's "
-                "layout and dense reference model the 584-byte UE8M0 record only",
-            ),
-        )
-        if arch == "sm100"
-        else arch
-        for arch in kc.ARCHS
-    ],
-)
+@pytest.mark.parametrize("arch", list(kc.ARCHS))
 def test_selftest_writes_the_window_kv_through_the_main_forwards_writer(arch):
-    from vllm_mla_fixes.selftest import layout
-
-    calls, server_record = _record_writers(arch)
+    calls, layer, swa_caches = _record_writers(arch)
     writes = [c for c in calls if c.kernel.startswith("_C.")]
     theirs = [c for c in writes if c.caller == "vllm"]
     ours = [c for c in writes if c.caller == "selftest"]
@@ -197,7 +234,55 @@ def test_selftest_writes_the_window_kv_through_the_main_forwards_writer(arch):
     )
     problems = [p for want, got in zip(theirs, ours) for p in kc.differences(want, got)]
     assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
-    assert layout.SWA_RECORD == server_record, (
-        f"on {arch} the release's layer writes {server_record}-byte SWA records, "
-        f"the self-test's layout holds {layout.SWA_RECORD}"
+    assert swa_caches, "the self-test wrote no window KV"
+    for cache in swa_caches:
+        module = cache.module
+        held = {
+            name: getattr(module, name, None)
+            for name in layer
+            if name.startswith("packed_")  # the release's own arguments
+        }
+        want = {name: value for name, value in layer.items() if name.startswith("packed_")}
+        assert held == want, f"on {arch} the layer's SWA cache gets {want}, the self-test's {held}"
+        assert cache.module.kv_cache.shape[-1] == layer["packed_bytes_per_token"]
+        assert cache.spec.alignment == layer["packed_page_alignment"]
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_sm100_window_records_read_back_exactly_on_cpu():
+    """On SM100 the window KV is the V4.1 MXFP8 record: the self-test lays its
+    caches out for it, its CPU writer stores it (byte for byte vLLM's Triton
+    twin, tests/test_selftest.py), the readers decode it and the dense
+    reference quantises every dim per 32; a prefill and a decode of the split
+    geometry then read back exactly, every byte in its pages."""
+    from vllm_mla_fixes.selftest import harness
+    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.selftest.timeline import StepPlan
+
+    cpu = kn.Kernels.for_device(kn.detect_device())
+    device = kn.Device("cuda", torch.device("cpu"), "pretend sm100", kc.ARCHS["sm100"][0])
+    plans = (
+        StepPlan("C prefill", (("C", None),), ("indexer-prefill",)),
+        StepPlan("C decode", (("C", 1),), ()),
     )
+    records = []
+    original = harness.Run.write
+
+    def write(run, batch, block_ids):
+        records.append(run.layout.swa_record)
+        return original(run, batch, block_ids)
+
+    harness.Run.write = write
+    try:
+        with kc.pretend_gpu("sm100"), kc.recording([], ["selftest"]):
+            result = harness.run_geometry(
+                "split", device, kn.Kernels(device, cpu.sources), plans=plans
+            )
+    finally:
+        harness.Run.write = original
+    assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
+    assert records and all(r.mxfp8 for r in records), records
+    assert result.clean, {k: t.problems for k, t in result.kernels.items() if t.problems}
+    for kernel in (kn.ATTENTION_PREFILL, kn.ATTENTION_DECODE):
+        tally = result.kernels[kernel]
+        assert tally.compared and tally.worst == 0.0, (kernel, tally.compared, tally.worst)

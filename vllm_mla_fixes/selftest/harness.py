@@ -486,7 +486,7 @@ class Run:
                 block_ids,
                 slots,
                 swa_md.block_size,
-                ref.RECORD_BYTES,
+                self.layout.swa_record.bytes_per_token,
                 lambda c=cache, r=rows, p=pos, s=slots, m=swa_md: self.kernels.write_swa(
                     c.module.kv_cache,
                     r,
@@ -699,14 +699,15 @@ class Run:
 
     def dense_swa(self, name: str, layer: int) -> torch.Tensor:
         """Every position's sliding-window row as the SWA writer stores it
-        (RoPE, bf16, fp8 NoPE), dequantised; computed once per prompt and layer."""
+        (RoPE, bf16, then fp8 NoPE, or fp8 throughout in the SM100 MXFP8
+        record), dequantised; computed once per prompt and layer."""
         key = ("swa", name, layer)
         if key not in self.dense:
             inputs = self.inputs
             rows = ref.rope_swa_rows(
                 inputs.swa[name][layer], inputs.cos_sin, ref.Rounding("round-to-nearest-even")
             )
-            self.dense[key] = ref.dense_swa_rows(rows, self.rounding)
+            self.dense[key] = ref.dense_swa_rows(rows, self.rounding, self.layout.swa_record.mxfp8)
         return self.dense[key]
 
     def dense_compressed(self, name: str, source: int, ratio: int) -> torch.Tensor:

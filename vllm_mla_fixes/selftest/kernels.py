@@ -9,7 +9,9 @@ the same RoPE; on CPU :func:`insert_v4_records_stand_in` writes the bytes the
 interpreted twin writes), ``rope_quant_insert`` for the compressed KV cache and
 ``indexer_k_norm_rope_store`` for the indexer keys (Triton; interpreted on
 CPU).  On SM100 the releases write the SWA record as MXFP8 (528 bytes, the
-layer's ``kv_mxfp8``) and the indexer keys' scales as UE8M0x4.
+layer's ``kv_mxfp8``; the layout holds it there, and on CPU
+:func:`insert_mxfp8_records_stand_in` writes what that record's Triton twin
+writes) and the indexer keys' scales as UE8M0x4.
 
 Readers are reached through vLLM's own entry points:
 
@@ -192,15 +194,20 @@ class Kernels:
             cos_sin[positions.clamp(0, cos_sin.shape[0] - 1)],
             ref.Rounding("round-to-nearest-even"),
         )
+        # The cache's row width names its record, as for vLLM's own readers.
+        mxfp8 = view.shape[-1] == ref.MX_RECORD_BYTES
         if self.sources[SWA_WRITER] == SWA_TWIN_STAND_IN:
-            insert_v4_records_stand_in(
-                rotated, view.view(view.shape[0], -1), slots, block_size=block_size
-            )
+            stand_in = insert_mxfp8_records_stand_in if mxfp8 else insert_v4_records_stand_in
+            stand_in(rotated, view.view(view.shape[0], -1), slots, block_size=block_size)
             return
         from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
 
         quantize_and_insert_k_cache(
-            rotated, view.view(view.shape[0], -1), slots, block_size=block_size
+            rotated,
+            view.view(view.shape[0], -1),
+            slots,
+            block_size=block_size,
+            **({"bytes_per_token": ref.MX_RECORD_BYTES} if mxfp8 else {}),
         )
 
     @staticmethod
@@ -505,4 +512,43 @@ def insert_v4_records_stand_in(
     data, scales = data.to(flat.device), scales.to(flat.device)
     for t in range(len(tokens)):
         flat[data_at[t]] = data[t]
+        flat[scales_at[t]] = scales[t]
+
+
+def insert_mxfp8_records_stand_in(
+    k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+) -> None:
+    """``quantize_and_insert_k_cache(..., bytes_per_token=528)`` (V4.1 MXFP8
+    records, the SM100 window KV) as its Triton kernel computes it under
+    Triton's interpreter, all tokens at once.
+
+    Token ``t`` with a slot other than -1: page ``slot // block_size``; its
+    512 dims as fp8, each tile of 32 multiplied by
+    ``2 ** -ceil(log2(max(amax, 1e-4) * (1 / 448)))``, and the 16 exponents
+    + 127, where the release's layout puts them
+    (:func:`.reference.mxfp8_addresses`).  Later tokens' records overwrite
+    earlier ones on the same slot.
+    """
+    slots = slot_mapping.to(torch.int64).cpu()
+    if bool((slots < -1).any()):
+        raise ValueError(f"slot {int(slots.min())}: a negative slot other than -1")
+    tokens = torch.nonzero(slots != -1).flatten()
+    if not tokens.numel():
+        return
+    slots = slots[tokens]
+    rows = k[: slot_mapping.shape[0]].cpu()[tokens]
+    tiles = rows.float().reshape(-1, ref.MX_SCALES, ref.MX_TILE)
+    reciprocal = torch.tensor(1.0 / ref.FP8_MAX, dtype=torch.float32)
+    exponent = torch.ceil(torch.log2(tiles.abs().amax(dim=-1).clamp_min(1e-4) * reciprocal))
+    scaled = torch.clamp(tiles * torch.exp2(-exponent)[..., None], -ref.FP8_MAX, ref.FP8_MAX)
+    fp8 = ref.interpreter_rounding().to_fp8(scaled).view(torch.uint8).reshape(-1, ref.HEAD)
+    scales = torch.clamp(exponent + 127.0, 0.0, 255.0).to(torch.uint8)
+    page = k_cache.storage_offset() + (slots // block_size) * k_cache.stride(0)
+    values_at, scales_at = ref.mxfp8_addresses(page, slots % block_size, block_size)
+    values_at = values_at[:, None] + torch.arange(ref.HEAD)
+    scales_at = scales_at[:, None] + torch.arange(ref.MX_SCALES)
+    flat = ref.storage_bytes(k_cache)
+    fp8, scales = fp8.to(flat.device), scales.to(flat.device)
+    for t in range(len(tokens)):
+        flat[values_at[t]] = fp8[t]
         flat[scales_at[t]] = scales[t]

@@ -7,7 +7,9 @@ source, which makes vLLM's decoder replay run the last source and it on each
 long prefill's last window.  Every layer has its own SWA cache, built with
 bounded replay on (vLLM's default), so a prefix hit replays its last window.
 The page records are the SM120 ones: fp8_ds_mla V4 records (584 B, pages
-aligned to 576 B) and 132-B fp8 indexer rows.
+aligned to 576 B) and 132-B fp8 indexer rows; except that the sliding-window
+caches hold the record the release's layer writes on the GPU's arch
+(:func:`swa_record`: on SM100 the 528-B V4.1 MXFP8 one, pages aligned to 512 B).
 
 Everything below the layers is vLLM's: the cache modules and spec producers
 (``DeepseekV4SWACache``, ``DeepseekV4IndexerCache``, ``CompressorStateCache``,
@@ -39,8 +41,9 @@ from typing import Any
 
 import torch
 
-SWA_RECORD = 584
+V4_RECORD = 584  # the compressed caches' record (and the window KV's but on SM100)
 PAGE_ALIGN = 576
+MXFP8_PAGE_ALIGN = 512
 INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
 STATE_DIM = 1024  # compressor ring row: kv state + score state
 STOCK_SWA_BLOCK = 32  # what DeepseekV4Attention.__init__ passes
@@ -93,6 +96,30 @@ class TinyModel:
     def cut(self) -> int:
         """The last kv source: decoder replay runs the layers from here on."""
         return max(self.kv_sources)
+
+
+@dataclass(frozen=True)
+class SwaRecord:
+    """The window-KV record a DeepSeek-V4.1 layer writes on this arch."""
+
+    bytes_per_token: int
+    page_alignment: int
+    mxfp8: bool  # the V4.1 MXFP8 record (else the V4 one)
+
+
+def swa_record() -> SwaRecord:
+    """What ``DeepseekV4Attention.__init__`` gives its SWA cache: the layer's
+    ``kv_mxfp8`` (the release's ``_use_v41_mxfp8_kv_record``: SM100) picks
+    the record its writers name by width (``cache_utils``'s constants) and the
+    page alignment (512 for V4.1 records, 576 for V4's TMA stride;
+    tests/test_selftest_kernel_calls.py evaluates the layer's own statements
+    for both and compares)."""
+    from vllm.models.deepseek_v41 import attention as v41
+    from vllm.models.deepseek_v41.common.ops import cache_utils
+
+    if v41._use_v41_mxfp8_kv_record():
+        return SwaRecord(cache_utils.V41_BYTES_PER_TOKEN, MXFP8_PAGE_ALIGN, True)
+    return SwaRecord(cache_utils.V4_BYTES_PER_TOKEN, PAGE_ALIGN, False)
 
 
 @dataclass(frozen=True)
@@ -278,6 +305,7 @@ class Layout:
     kernel_block_sizes: list[int]
     guard_error: str | None  # vLLM's refusal to map a split, if any
     storage: torch.Tensor  # the whole KV allocation, flat uint8
+    swa_record: SwaRecord  # what the sliding-window caches hold
     zeroer: Any = None  # vLLM's KVBlockZeroer over the bound views
 
     def group_block_size(self, gid: int) -> int:
@@ -328,7 +356,9 @@ class Layout:
         return mask
 
 
-def _new_sm120_attention(prefix: str, layer: int, ratio: int, model: TinyModel, device):
+def _new_sm120_attention(
+    prefix: str, layer: int, ratio: int, model: TinyModel, device, record: SwaRecord
+):
     """The SM120 FlashInfer attention class, without its ``__init__`` (which
     needs a GPU, tensor-parallel groups and weights): the attributes its spec
     producer and its ``_forward_decode`` / ``_forward_prefill`` read."""
@@ -346,7 +376,7 @@ def _new_sm120_attention(prefix: str, layer: int, ratio: int, model: TinyModel, 
     attn.head_dim = 512
     attn.compress_ratio = ratio
     attn.kv_page_alignment = PAGE_ALIGN
-    attn.compressed_bytes_per_token = SWA_RECORD
+    attn.compressed_bytes_per_token = V4_RECORD
     attn.kv_cache = torch.tensor([])
     attn.scale = attn.head_dim**-0.5
     attn.topk_indices_buffer = torch.full(
@@ -356,19 +386,19 @@ def _new_sm120_attention(prefix: str, layer: int, ratio: int, model: TinyModel, 
     # What DeepseekV4Attention.__init__ sets for _fused_qnorm_rope_kv_insert,
     # the main forward's SWA writer (one GPU, no context parallelism); the
     # self-test points ``rotary_emb`` at its own cos/sin table per run.
-    from vllm.models.deepseek_v41 import attention as v41
-
     attn.n_local_heads = model.q_heads
     attn.padded_heads = attn.get_padded_num_q_heads(model.q_heads)
     attn.eps = model.rms_norm_eps
     attn.use_pcp = False
-    attn.kv_mxfp8 = v41._use_v41_mxfp8_kv_record()  # the SM100 record (528 bytes)
+    attn.kv_mxfp8 = record.mxfp8  # the SM100 record (528 bytes)
     attn.max_num_batched_tokens = model.max_num_batched_tokens
     attn._pads_q_by_copy = False  # only 32 of 64 padded heads pad by copy
     return attn
 
 
-def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
+def _make_caches(model: TinyModel, cfg: SimpleNamespace, device, record: SwaRecord):
+    import inspect
+
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -379,10 +409,20 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
 
     caches: dict[str, CacheModule] = {}
     readers: dict[int, Any] = {}
+    packing: dict[str, Any] = {
+        "packed_bytes_per_token": record.bytes_per_token,
+        "packed_page_alignment": record.page_alignment,
+    }
+    takes = inspect.signature(attention.DeepseekV4SWACache).parameters
+    if record.mxfp8 and "packed_block_stride_alignment" in takes:  # 0.33.0 on
+        # FlashMLA reads the interleaved V4.1 records as rows of the whole
+        # cache: the layer asks for blocks of whole rows of its SWA record and
+        # its compressed one (lcm of the two), under fp8_ds_mla both V4.1's.
+        packing["packed_block_stride_alignment"] = record.bytes_per_token
     with set_current_vllm_config(cfg):
         for layer, ratio in enumerate(model.compress_ratios):
             prefix = f"model.layers.{layer}.self_attn"
-            reader = _new_sm120_attention(prefix, layer, ratio, model, device)
+            reader = _new_sm120_attention(prefix, layer, ratio, model, device, record)
             readers[layer] = reader
             # Built through the name DeepseekV4Attention.__init__ uses, with the
             # arguments it passes, so a fix that redirects that call takes part.
@@ -394,9 +434,8 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device):
                 cache_config=cfg.cache_config,
                 backend_cls=DeepseekSparseSWAFlashInferBackend,
                 block_size=STOCK_SWA_BLOCK,
-                packed_bytes_per_token=SWA_RECORD,
-                packed_page_alignment=PAGE_ALIGN,
                 bounded_replay=True,
+                **packing,
             )
             reader.swa_cache_layer = swa
             caches[swa.prefix] = CacheModule(
@@ -500,7 +539,8 @@ def build_layout(
     device = torch.device(device)
     block_size = model.block_size if geometry.via_plugin else upstream_block_size()
     cfg = make_config(model, block_size, kv_connector=geometry.kv_connector)
-    modules, readers = _make_caches(model, cfg, device)
+    record = swa_record()
+    modules, readers = _make_caches(model, cfg, device, record)
 
     # Specs as attn_utils.get_kv_cache_spec builds them.
     specs = {}
@@ -573,6 +613,7 @@ def build_layout(
         kernel_block_sizes=kernel_block_sizes,
         guard_error=guard_error,
         storage=storage,
+        swa_record=record,
         zeroer=zeroer,
     )
 

@@ -21,6 +21,17 @@ installed sources (paths relative to the package; FlashInfer 0.7.0.post1):
   clamped to ``[0, width]``; a candidate past the length or with index ``-1``
   is masked; the two segments share one softmax, and the attention sink adds
   ``exp(sink - max)`` to its denominator.
+* On SM100 the layers write the window KV as DeepSeek's V4.1 MXFP8 record
+  instead (the layer's ``kv_mxfp8``, vLLM ``models/deepseek_v41/attention.py``
+  ``_use_v41_mxfp8_kv_record``; the record in ``common/ops/cache_utils.py``'s
+  header and its Triton twin ``_quantize_and_insert_k_mxfp8_kernel``): per
+  token all 512 dims (RoPE included) as fp8 e4m3, each 32 dims divided by
+  the power of two ``2 ** ceil(log2(max(amax, 1e-4) / 448))``, and 16 UE8M0
+  bytes (exponent + 127): 528 bytes.  From 0.33.0 each token's scales follow
+  its own values (record at ``row * 528``); 0.32.0 puts the values at
+  ``row * 512`` and the scales at ``pbs * 512 + row * 16``, after all the
+  page's values, as in V4's record (:func:`mxfp8_scales_follow_each_row`
+  asks the release's writer which).
 * Indexer cache (the writer ``indexer_k_norm_rope_store``, vLLM
   ``models/deepseek_v41/common/ops/indexer_k_store.py``; read through the
   block table by DeepGEMM's paged MQA logits): per state 128 fp8-e4m3 bytes at
@@ -34,6 +45,7 @@ latents did.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -47,6 +59,9 @@ FOOTER_BYTES = 8
 RECORD_BYTES = DATA_BYTES + FOOTER_BYTES  # 584
 TILE = 64
 NUM_SCALES = NOPE // TILE  # 7
+MX_TILE = 32  # dims per UE8M0 scale of the V4.1 MXFP8 record
+MX_SCALES = HEAD // MX_TILE  # 16
+MX_RECORD_BYTES = HEAD + MX_SCALES  # 528
 FP8_MAX = 448.0
 INDEX_DIM = 128
 INDEX_ROPE = 64
@@ -139,13 +154,21 @@ def _ue8m0_exponent(amax: torch.Tensor, divide: bool) -> torch.Tensor:
     return torch.ceil(torch.log2(ratio))
 
 
-def quant_dequant_nope(nope: torch.Tensor, rounding: Rounding, divide: bool) -> torch.Tensor:
-    """[N, 448] fp32 -> fp32 values the V4 record's fp8 part decodes to."""
-    tiles = nope.to(torch.float32).reshape(-1, NUM_SCALES, TILE)
+def _quant_dequant_tiles(
+    values: torch.Tensor, tile: int, rounding: Rounding, divide: bool
+) -> torch.Tensor:
+    """[N, D] fp32 -> the fp32 values fp8 e4m3 with one UE8M0 scale per
+    ``tile`` dims decodes to."""
+    tiles = values.to(torch.float32).reshape(values.shape[0], -1, tile)
     exp = _ue8m0_exponent(tiles.abs().amax(dim=-1), divide)
     scaled = torch.clamp(tiles * torch.exp2(-exp)[..., None], -FP8_MAX, FP8_MAX)
     fp8 = rounding.to_fp8(scaled).to(torch.float32)
-    return (fp8 * torch.exp2(exp)[..., None]).reshape(nope.shape)
+    return (fp8 * torch.exp2(exp)[..., None]).reshape(values.shape)
+
+
+def quant_dequant_nope(nope: torch.Tensor, rounding: Rounding, divide: bool) -> torch.Tensor:
+    """[N, 448] fp32 -> fp32 values the V4 record's fp8 part decodes to."""
+    return _quant_dequant_tiles(nope, TILE, rounding, divide)
 
 
 def gptj_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,9 +189,13 @@ def rope_swa_rows(kv_bf16: torch.Tensor, angles: torch.Tensor, rounding: Roundin
     return torch.cat([kv_bf16[:, :NOPE], rounding.to_bf16(rot)], dim=1)
 
 
-def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+def dense_swa_rows(rows_bf16: torch.Tensor, rounding: Rounding, mxfp8: bool) -> torch.Tensor:
     """Sliding-window rows stored by ``quantize_and_insert_k_cache``: the
-    input is the already-rotated KV row; NoPE quantised, RoPE copied."""
+    input is the already-rotated KV row.  V4 record: NoPE quantised (the
+    exponent from ``amax / 448``), RoPE copied; V4.1 MXFP8 record
+    (``mxfp8``): all 512 dims quantised per 32 (from ``amax * (1 / 448)``)."""
+    if mxfp8:
+        return _quant_dequant_tiles(rows_bf16.float(), MX_TILE, rounding, divide=False)
     nope = quant_dequant_nope(rows_bf16[:, :NOPE].float(), rounding, divide=True)
     return torch.cat([nope, rows_bf16[:, NOPE:].float()], dim=1)
 
@@ -265,6 +292,61 @@ def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
+@functools.cache
+def mxfp8_scales_follow_each_row() -> bool:
+    """Whether the installed release's V4.1 MXFP8 record keeps each token's
+    scales right after its values (0.33.0 on), rather than after all the
+    page's values (0.32.0): its own writer, ``quantize_and_insert_k_cache``,
+    answers for a one-token write into a two-row page."""
+    from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    page = torch.zeros(1, 2 * MX_RECORD_BYTES, dtype=torch.uint8, device=device)
+    row = torch.ones(1, HEAD, dtype=torch.bfloat16, device=device)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    quantize_and_insert_k_cache(row, page, slot, block_size=2, bytes_per_token=MX_RECORD_BYTES)
+    written = set(torch.nonzero(page[0].cpu()).flatten().tolist())
+    if written == set(range(MX_RECORD_BYTES)):
+        return True
+    if written == set(range(HEAD)) | set(range(2 * HEAD, 2 * HEAD + MX_SCALES)):
+        return False
+    raise RuntimeError(
+        f"the release's MXFP8 writer wrote bytes {sorted(written)[:4]}...{sorted(written)[-4:]} "
+        "of a two-row page: neither V4.1 record layout the self-test knows"
+    )
+
+
+def mxfp8_addresses(page: torch.Tensor, row: torch.Tensor, pbs: int) -> tuple:
+    """Start of each token's 512 values and of its 16 scales, from its page's
+    start and its row in the page (the release's layout)."""
+    if mxfp8_scales_follow_each_row():
+        values = page + row * MX_RECORD_BYTES
+        return values, values + HEAD
+    return page + row * HEAD, page + pbs * HEAD + row * MX_SCALES
+
+
+def read_mxfp8_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised K=V rows [N, 512] of V4.1 MXFP8 records at flat slot
+    indices idx [N] (>= 0)."""
+    pbs, page_stride = page_geometry(view, MX_RECORD_BYTES)
+    flat = storage_bytes(view)
+    idx = idx.to(torch.int64)
+    values_at, scales_at = mxfp8_addresses(
+        view.storage_offset() + (idx // pbs) * page_stride, idx % pbs, pbs
+    )
+    values = gather_bytes(flat, values_at, HEAD).contiguous().view(torch.float8_e4m3fn).float()
+    scales = torch.exp2(gather_bytes(flat, scales_at, MX_SCALES).float() - 127.0)
+    return values * scales.repeat_interleave(MX_TILE, dim=1)
+
+
+def read_kv_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised K=V rows of whichever record the cache holds (its row width
+    names it, as vLLM's readers tell them apart)."""
+    if view.shape[-1] == MX_RECORD_BYTES:
+        return read_mxfp8_rows(view, idx)
+    return read_v4_rows(view, idx)
+
+
 def index_scales_are_ue8m0x4() -> bool:
     """Whether the installed release's indexer K writers store each key's
     power-of-two scale as four equal UE8M0 bytes instead of an fp32: on SM100,
@@ -354,10 +436,10 @@ def sm120_sparse_decode(
     extra = compressed cache with the global top-k indices and lengths."""
     out = torch.empty(q.shape, dtype=torch.float32)
     for t in range(q.shape[0]):
-        rows = [read_v4_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
+        rows = [read_kv_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
         if extra_cache is not None:
             assert extra_indices is not None and extra_lens is not None
-            rows.append(read_v4_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
+            rows.append(read_kv_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
         out[t] = sink_softmax_attention(q[t], torch.cat(rows), sink, scale)
     return out
 
