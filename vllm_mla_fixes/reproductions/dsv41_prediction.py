@@ -147,6 +147,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
     import vllm
 
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream as fix_upstream
     from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
     from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
     from vllm_mla_fixes.reproductions import dsv41_truth_table as table
@@ -158,12 +159,16 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
     method = (args.speculative_config or {}).get("method")
     # The decision reads the backends' kernel blocks, which vLLM declares per device.
     with repro.sm120_platform():
-        line = table.evaluate((12, 0), args.block_size, settings, str(method or "none"), lens)
-        best = table.best_working_upstream((12, 0), settings, lens)
-        block_size = line.picked_block_size
-        resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
+        block_size = args.block_size or fix_upstream.picked_block_size(
+            fix_upstream.declared_kernel_blocks()
+        )
+        # The line as the fix lays it out first: vLLM's planner refuses some
+        # lines there (DCP with sliding-window caches) before a worker starts.
         fixed = capacity.measure("this serve line, fixed", block_size, lens, settings)
         planned = fix.planned_drafter_rows() if settings.drafter_ratios else None
+        line = table.evaluate((12, 0), args.block_size, settings, str(method or "none"), lens)
+        best = table.best_working_upstream((12, 0), settings, lens)
+        resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
         forced_split = None
         if line.decision == fix.UPSTREAM:  # what forcing the split would hold instead
             with capacity.forced_geometry(fix.SPLIT):

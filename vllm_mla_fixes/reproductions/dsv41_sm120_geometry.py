@@ -288,7 +288,14 @@ def plan_geometry(
     drafter_ratios = drafter_ratios or (settings.drafter_ratios if settings else ())
     model_layout: dict[str, Any] = DSV41_FLASH if model is None else model
     layers = build_layers(vllm_config, model_layout, drafter_ratios)
-    with _backbone_in_model_config(vllm_config, model_layout["num_hidden_layers"]):
+    # A drafter's specs are planned at the max-model-len (the fix's drafter
+    # pages); without one the specs are collected as before, with no model
+    # config (a stand-in's presence changes what vLLM's specs say about DCP).
+    with (
+        _backbone_in_model_config(vllm_config, model_layout["num_hidden_layers"])
+        if drafter_ratios
+        else contextlib.nullcontext()
+    ):
         specs = get_kv_cache_spec(vllm_config)
     backends = {
         layer.get_attn_backend()
