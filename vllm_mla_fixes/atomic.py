@@ -15,7 +15,7 @@ import contextlib
 import os
 import secrets
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -102,3 +102,34 @@ def interruptions_unwind() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def interruptions_between_steps() -> Iterator[Callable[[], None]]:
+    """Inside this block a SIGTERM or SIGINT is noted, not raised where the
+    program happens to be; the block calls the function it is given at each
+    point where stopping is safe (between two zip entries: ``zipfile`` cannot
+    be unwound from inside an entry), and that raises :class:`Interrupted`.
+    A signal still pending when the block ends is raised there.  Once one
+    has arrived, later ones are ignored until an enclosing
+    :func:`interruptions_unwind` block has exited."""
+    watched = (signal.SIGINT, signal.SIGTERM)
+    pending: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        for other in watched:
+            signal.signal(other, signal.SIG_IGN)
+        pending.append(signum)
+
+    def stop_if_signalled() -> None:
+        if pending:
+            raise Interrupted(pending[0])
+
+    previous = {signum: signal.signal(signum, note) for signum in watched}
+    try:
+        yield stop_if_signalled
+        stop_if_signalled()
+    finally:
+        if not pending:  # else the signals stay ignored while the clean-up runs
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

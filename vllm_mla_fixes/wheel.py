@@ -274,9 +274,14 @@ def _write_patched(
     except zipfile.BadZipFile as exc:
         raise WheelBuildError(f"{upstream_wheel} is not a valid wheel (zip) file: {exc}") from exc
     record: list[tuple[str, str, str]] = []
-    with source, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as patched:
+    with (
+        atomic.interruptions_between_steps() as stop_if_signalled,
+        source,
+        zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as patched,
+    ):
 
         def store(arcname: str, data: bytes, like: zipfile.ZipInfo | None = None) -> None:
+            stop_if_signalled()  # between entries: zipfile cannot unwind from inside one
             entry = zipfile.ZipInfo(
                 arcname, date_time=like.date_time if like else (1980, 1, 1, 0, 0, 0)
             )
