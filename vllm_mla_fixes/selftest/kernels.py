@@ -471,6 +471,21 @@ def gather_indexer_k_stand_in(kv_cache, dst_k, dst_scale, block_table, cu_seq_le
         dst_scale[cu[b] : cu[b + 1]].copy_(scales)
 
 
+def _written_tokens(
+    k: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(token indices, their slots, their rows of ``k``) of the tokens a
+    ``quantize_and_insert_k_cache`` stand-in writes, or None when none is."""
+    slots = slot_mapping.to(torch.int64).cpu()
+    if bool((slots < -1).any()):
+        # The kernel skips -1 only; it would write below the page.
+        raise ValueError(f"slot {int(slots.min())}: a negative slot other than -1")
+    tokens = torch.nonzero(slots != -1).flatten()
+    if not tokens.numel():
+        return None
+    return tokens, slots[tokens], k[: slot_mapping.shape[0]].cpu()[tokens]
+
+
 def insert_v4_records_stand_in(
     k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
 ) -> None:
@@ -486,15 +501,10 @@ def insert_v4_records_stand_in(
     byte.  Records are written in token order, so where two overlap the later
     token's bytes stay, as under the interpreter, which runs the programs in order.
     """
-    slots = slot_mapping.to(torch.int64).cpu()
-    if bool((slots < -1).any()):
-        # The kernel skips -1 only; it would write below the page.
-        raise ValueError(f"slot {int(slots.min())}: a negative slot other than -1")
-    tokens = torch.nonzero(slots != -1).flatten()
-    if not tokens.numel():
+    written = _written_tokens(k, slot_mapping)
+    if written is None:
         return
-    slots = slots[tokens]
-    rows = k[: slot_mapping.shape[0]].cpu()[tokens]
+    tokens, slots, rows = written
     tiles = rows[:, : ref.NOPE].float().reshape(-1, ref.NUM_SCALES, ref.TILE)
     exponent = torch.ceil(torch.log2(tiles.abs().amax(dim=-1).clamp_min(1e-4) / ref.FP8_MAX))
     scaled = torch.clamp(tiles / torch.exp2(exponent)[..., None], -ref.FP8_MAX, ref.FP8_MAX)
@@ -529,14 +539,10 @@ def insert_mxfp8_records_stand_in(
     (:func:`.reference.mxfp8_addresses`).  Later tokens' records overwrite
     earlier ones on the same slot.
     """
-    slots = slot_mapping.to(torch.int64).cpu()
-    if bool((slots < -1).any()):
-        raise ValueError(f"slot {int(slots.min())}: a negative slot other than -1")
-    tokens = torch.nonzero(slots != -1).flatten()
-    if not tokens.numel():
+    written = _written_tokens(k, slot_mapping)
+    if written is None:
         return
-    slots = slots[tokens]
-    rows = k[: slot_mapping.shape[0]].cpu()[tokens]
+    tokens, slots, rows = written
     tiles = rows.float().reshape(-1, ref.MX_SCALES, ref.MX_TILE)
     reciprocal = torch.tensor(1.0 / ref.FP8_MAX, dtype=torch.float32)
     exponent = torch.ceil(torch.log2(tiles.abs().amax(dim=-1).clamp_min(1e-4) * reciprocal))
