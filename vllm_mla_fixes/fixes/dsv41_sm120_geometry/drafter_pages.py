@@ -13,6 +13,9 @@ and the one holding more tokens at the engine's max-model-len is kept (a tie
 keeps 64, the page rows every other cache has).  The drafter caches read their
 ``block_size`` at run time (their spec, the attention metadata, DSpark's
 context insert), so setting it before the spec is produced is all it takes.
+The planning runs once per engine, at start-up, never per step: two passes
+of 2-3 ms each on the 40-layer DeepSeek-V4.1-Flash layout (CPU, 0.34.0; the
+first pass of a process 39 ms with its imports).
 """
 
 from __future__ import annotations
