@@ -147,19 +147,26 @@ def measure(
     fixed: bool = True,
 ) -> list[Row]:
     """Rows for one geometry: upstream (``fixed=False``), or the fix applied as
-    on SM120, whose own decision picks the geometry for ``settings``."""
+    on SM120, whose own decision picks the geometry for ``settings`` at each
+    max-model-len (its 2% rule is judged there)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
+    rows = []
+    plan = None
     with fixed_on_sm120() if fixed else contextlib.nullcontext():
-        plan = repro.plan_geometry(block_size, num_gpu_blocks_override=None, settings=settings)
-        if fixed:
-            geometry, reason = fix.geometry_decision(plan.vllm_config)
-        else:
-            geometry, reason = "upstream", f"vLLM's own layout for --block-size {block_size}"
-        per_token = context_bytes_per_token(plan)
-        kv_config = plan.kv_cache_config
-        rows = []
         for max_model_len in max_model_lens:
+            if plan is None or fixed:
+                plan = repro.plan_geometry(
+                    block_size,
+                    num_gpu_blocks_override=None,
+                    settings=settings,
+                    max_model_len=max_model_len,
+                )
+            if fixed:
+                geometry, reason = fix.geometry_decision(plan.vllm_config)
+            else:
+                geometry, reason = "upstream", f"vLLM's own layout for --block-size {block_size}"
+            kv_config = plan.kv_cache_config
             # What the capacity figure reads of the model config (a real
             # ModelConfig inspects the model class in a subprocess).
             plan.vllm_config.model_config = SimpleNamespace(max_model_len=max_model_len)
@@ -173,7 +180,7 @@ def measure(
                     num_blocks=int(kv_config.num_blocks),
                     tokens=int(tokens),
                     concurrency=float(concurrency),
-                    context_bytes_per_token=per_token,
+                    context_bytes_per_token=context_bytes_per_token(plan),
                     geometry=geometry,
                     reason=reason,
                     drafter_layers=len(settings.drafter_ratios) if settings else 0,

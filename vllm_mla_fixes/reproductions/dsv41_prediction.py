@@ -169,10 +169,6 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
         line = table.evaluate((12, 0), args.block_size, settings, str(method or "none"), lens)
         best = table.best_working_upstream((12, 0), settings, lens)
         resolved = repro.make_vllm_config(block_size, None, settings).kv_transfer_config
-        forced_split = None
-        if line.decision == fix.UPSTREAM:  # what forcing the split would hold instead
-            with capacity.forced_geometry(fix.SPLIT):
-                forced_split = capacity.measure("forced split", block_size, lens, settings)
     upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
     drafters = len(settings.drafter_ratios)
     text = (model_config or {}).get("text_config", model_config or {})
@@ -213,9 +209,6 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> dict:
             if best is None
             else round(line.fix_tokens[lens[0]] / best[1][lens[0]], 4),
             "best_working_upstream_block_size": None if best is None else best[0],
-            "forced_split_vs_upstream": None
-            if forced_split is None or line.upstream_tokens is None
-            else round(forced_split[0].tokens / line.upstream_tokens[lens[0]], 4),
             "at_max_model_len": lens[0],
         },
         "capacity": [

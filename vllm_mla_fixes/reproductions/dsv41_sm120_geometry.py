@@ -127,10 +127,13 @@ STAND_IN_MAX_MODEL_LEN = 8192  # the scheduler's own default where no model sets
 
 
 @contextlib.contextmanager
-def _backbone_in_model_config(vllm_config, backbone: int) -> Iterator[None]:
+def _backbone_in_model_config(
+    vllm_config, backbone: int, max_model_len: int = STAND_IN_MAX_MODEL_LEN
+) -> Iterator[None]:
     """While the layers are built and give their specs, a serve's model config
     says how many layers the backbone has (a drafter's are numbered past it)
-    and the max-model-len (the fix plans a drafter's pages at it); this config
+    and the max-model-len (the fix plans its 2% rule and a drafter's pages at
+    it); this config
     has no model, so it gets a stand-in holding those for the duration."""
     if vllm_config.model_config is not None:
         yield
@@ -139,7 +142,8 @@ def _backbone_in_model_config(vllm_config, backbone: int) -> Iterator[None]:
     stand_in = SimpleNamespace(
         hf_config=text,
         hf_text_config=text,
-        max_model_len=STAND_IN_MAX_MODEL_LEN,
+        max_model_len=max_model_len,
+        use_mla=True,  # DeepSeek-V4.1 is MLA; a KV connector's planning asks
     )
     object.__setattr__(vllm_config, "model_config", stand_in)
     try:
@@ -267,6 +271,7 @@ def plan_geometry(
     settings: EngineSettings | None = None,
     speculative_config: Any = None,
     drafter_ratios: tuple[int, ...] = (),
+    max_model_len: int = STAND_IN_MAX_MODEL_LEN,
 ) -> Geometry:
     """Layers -> specs -> layout -> groups -> KV-cache config -> attention groups
     -> kernel block sizes, each step vLLM's own (``settings``: the serve
@@ -288,14 +293,8 @@ def plan_geometry(
     drafter_ratios = drafter_ratios or (settings.drafter_ratios if settings else ())
     model_layout: dict[str, Any] = DSV41_FLASH if model is None else model
     layers = build_layers(vllm_config, model_layout, drafter_ratios)
-    # A drafter's specs are planned at the max-model-len (the fix's drafter
-    # pages); without one the specs are collected as before, with no model
-    # config (a stand-in's presence changes what vLLM's specs say about DCP).
-    with (
-        _backbone_in_model_config(vllm_config, model_layout["num_hidden_layers"])
-        if drafter_ratios
-        else contextlib.nullcontext()
-    ):
+    # The fix plans its choices at the max-model-len (the 2% rule, a drafter's pages).
+    with _backbone_in_model_config(vllm_config, model_layout["num_hidden_layers"], max_model_len):
         specs = get_kv_cache_spec(vllm_config)
     backends = {
         layer.get_attn_backend()

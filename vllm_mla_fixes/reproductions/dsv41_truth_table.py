@@ -363,7 +363,7 @@ def _cache_file() -> Path | None:
     if installed not in envelope.COVERED_VLLM:
         return None
     package = Path(__file__).resolve().parent.parent
-    sources = sorted((package / "fixes" / "dsv41_sm120_geometry").glob("*.py"))
+    sources = sorted((package / "fixes" / "dsv41_sm120_geometry").rglob("*.py"))
     sources += [package / "reproductions" / name for name in REPRODUCTION_SOURCES]
     digest = hashlib.sha256()
     for path in sources:

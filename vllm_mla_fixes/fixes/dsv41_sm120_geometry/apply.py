@@ -58,7 +58,9 @@ def apply(patch: Patch) -> None:
     _state["owned_ratios"] = set()
     _state["drafter_swa_caches"] = set()
     _state["drafter_swa_narrowed"] = set()
-    _state["planning_drafter_rows"] = False
+    _state["upstream_swa_caches"] = set()
+    _state["planning"] = False
+    _state["planning_decision"] = None
     _state["drafter_rows"] = None
     _INTERLEAVED.clear()
     _PAIR_REGIONS.clear()

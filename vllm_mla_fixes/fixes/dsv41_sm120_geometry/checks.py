@@ -17,6 +17,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     drafter_ratio1_layer,
     stepped_aside,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gain import register_moved_rows_warmup
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     ATTENTION_MODULE,
     DRAFTER_SWA_ROWS,
@@ -127,6 +128,7 @@ def _with_geometry_check(original: Callable) -> Callable:
     @functools.wraps(original)
     def bind_kv_cache_to_layers(kv_caches, forward_context, *args, **kwargs):
         result = original(kv_caches, forward_context, *args, **kwargs)
+        register_moved_rows_warmup(forward_context)
         if stepped_aside():
             return result  # upstream's own pages, inside the kernels' envelopes
         check_page_geometry(bound_pages(forward_context))

@@ -20,6 +20,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     DRAFTER_SWA_ENV,
     DRAFTER_SWA_ROWS,
     FP8_INDEXER_ROW,
+    GAIN_TO_APPLY,
     GEOMETRY_ENV,
     INFO,
     PAGE_ROWS,
@@ -31,6 +32,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import (
     _ORIGINAL_PRODUCERS,
+    GAIN_MEMO,
     _logger,
     _state,
 )
@@ -275,15 +277,55 @@ def _ratio1_pair_unit(vllm_config: Any) -> tuple[int, str | None]:
     return sum(pages), None
 
 
-def _decide(vllm_config: Any) -> Decision:
+@dataclasses.dataclass(frozen=True)
+class UpstreamGain:
+    """The 2% rule, planned on one engine's real layers (:mod:`.gain`): the
+    fix's best layout against upstream's working one, in KV tokens per GiB at
+    the engine's max-model-len; ``ratio`` None where they could not be planned."""
+
+    ratio: float | None
+    note: str
+
+    @property
+    def applies(self) -> bool:
+        return self.ratio is not None and self.ratio >= GAIN_TO_APPLY
+
+
+def upstream_gain(vllm_config: Any) -> UpstreamGain | None:
+    """The 2% rule as planned for this engine, or None before it was (the
+    layers are still being built, or upstream's layout is not in question)."""
+    context = getattr(
+        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
+    )
+    for prefix in _state["upstream_swa_caches"]:
+        layer = (context or {}).get(prefix)
+        if layer is not None:
+            return getattr(layer, GAIN_MEMO, None)
+    return None
+
+
+def _decide(vllm_config: Any, consider_upstream: bool = True) -> Decision:
+    """The geometry for ``vllm_config``; ``consider_upstream=False``: the
+    fix's own candidate, as if upstream's layout did not work."""
+    if _state["planning_decision"] is not None:
+        return _state["planning_decision"]
     # interleaved-split, an invalid value (warned about at plugin load) and none
     # all leave the choice to the checks below
     if settings.value(settings.DSV41_GEOMETRY) == PER_RATIO:
         return Decision(PER_RATIO, f"{GEOMETRY_ENV}=per-ratio")
-    if settings.value(settings.DSV41_GEOMETRY) != SPLIT:  # not forced either way
+    outgained = ""
+    if consider_upstream and settings.value(settings.DSV41_GEOMETRY) != SPLIT:
         aside = upstream_steps_aside_reason(vllm_config)
         if aside:
-            return Decision(UPSTREAM, aside)
+            gain = upstream_gain(vllm_config)
+            if gain is None or not gain.applies:
+                return Decision(UPSTREAM, aside + (f"; {gain.note}" if gain else ""))
+            outgained = f"{gain.note}; "
+    candidate = _candidate(vllm_config)
+    return dataclasses.replace(candidate, reason=outgained + candidate.reason)
+
+
+def _candidate(vllm_config: Any) -> Decision:
     if _state["split_unreviewed"]:
         return Decision(PER_RATIO, _state["split_unreviewed"])
     trigger = _config_triggers(vllm_config)
@@ -305,10 +347,10 @@ def upstream_steps_aside_reason(vllm_config: Any) -> str | None:
 
     It steps aside where upstream's layout for the line starts and every page
     of it is inside the installed kernels' own envelopes.  An envelope that
-    cannot be read is never "accepts", so the fix then keeps its layout.  The
-    fix's layouts hold under 2% more KV tokens than such a layout on every
-    covered cell (``tests/test_dsv41_truth_table.py``), which is not worth a
-    layout nobody has run on hardware."""
+    cannot be read is never "accepts", so the fix then keeps its layout.
+    Where it steps aside, :mod:`.gain` still plans both layouts once the
+    engine's layers exist, and the fix applies after all where its own holds
+    at least :data:`GAIN_TO_APPLY` times upstream's KV tokens."""
     try:
         layout = upstream.for_config(vllm_config)
     except Exception:  # noqa: BLE001 - vLLM's backends unreadable here: keep the fix's layout
@@ -344,6 +386,8 @@ def geometry_decision(vllm_config: Any) -> tuple[str, str]:
 
 
 def _decision_for_specs(vllm_config: Any) -> Decision:
+    if _state["planning_decision"] is not None:  # a candidate planned: nothing recorded
+        return _state["planning_decision"]
     decision = _decide(vllm_config)
     if decision.geometry == SPLIT and not decision.unit:
         decision = Decision(

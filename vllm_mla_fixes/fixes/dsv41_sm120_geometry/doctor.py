@@ -9,9 +9,7 @@ import sys
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     GAIN_TO_APPLY,
-    GEOMETRY_ENV,
     INFO,
-    SPLIT,
     UPSTREAM,
 )
 
@@ -320,34 +318,29 @@ def _upstream_findings(dsv41: dict, fixed: bool) -> list:
         if versus is not None
         else ""
     )
-    if dsv41["upstream_works"]:
-        forced = dsv41.get("forced_split_vs_upstream")
-        findings = [
+    if dsv41["upstream_works"] and dsv41["decision"] == UPSTREAM:
+        return [
             Finding(
                 "ok",
                 name,
                 f"upstream's {size} layout starts, and every page it hands a kernel is inside "
                 f"the installed kernels' own envelopes: the fix steps aside on this line "
-                f"(decision {UPSTREAM})",
+                f"(decision {UPSTREAM}; {dsv41['reason']})",
                 facts=dsv41,
             )
         ]
-        if forced is not None and forced >= GAIN_TO_APPLY:
-            # The 2% rule (issue 25, item 4) is not automatic here yet: the
-            # decision is taken as the first layer is built, before the
-            # drafter's layers exist to be planned with.
-            findings.append(
-                Finding(
-                    "warn",
-                    name,
-                    f"the fix's {SPLIT} geometry would hold {forced:.3f}x upstream's KV tokens "
-                    f"for this line at max_model_len {dsv41['at_max_model_len']} (a DSpark "
-                    "drafter's layers share one 128-row KV-cache group there), but the fix "
-                    "steps aside wherever upstream's layout works",
-                    f"to use it, set {GEOMETRY_ENV}={SPLIT} on every node before `vllm serve`",
-                )
+    if dsv41["upstream_works"]:
+        return [
+            Finding(
+                "info",
+                name,
+                f"upstream's {size} layout starts, and every page it hands a kernel is inside "
+                f"the installed kernels' own envelopes, but the fix's {dsv41['decision']} "
+                f"geometry holds at least {GAIN_TO_APPLY:.2f}x its KV tokens for this line, so "
+                f"the fix applies ({dsv41['reason']})",
+                facts=dsv41,
             )
-        return findings
+        ]
     if not dsv41["upstream_starts"]:
         problem = f"does not start: {dsv41['upstream_start_error']}"
     elif dsv41["upstream_rejected"]:

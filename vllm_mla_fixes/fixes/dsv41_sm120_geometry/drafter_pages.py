@@ -20,92 +20,71 @@ first pass of a process 39 ms with its imports).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from vllm_mla_fixes import settings
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import drafter_swa_rows
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import _backbone_layers, drafter_swa_rows
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import DRAFTER_SWA_ROWS, INFO, PAGE_ROWS
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.planning import planned_tokens
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import _logger, _state
 
-PLANNED_MEMORY = 1 << 30  # the capacity is compared per GiB, as the benchmark reports it
-
-
-def _planner() -> Any:
-    """The module holding ``get_kv_cache_groups`` and
-    ``get_kv_cache_config_from_groups`` (``kv_cache_planning`` from 0.33 on)."""
-    try:
-        from vllm.v1.core import kv_cache_planning as planner
-    except ImportError:
-        from vllm.v1.core import kv_cache_utils as planner
-    return planner
-
-
-@contextlib.contextmanager
-def _rows_meanwhile(caches: list[Any], rows: int) -> Iterator[None]:
-    saved = [cache.block_size for cache in caches]
-    for cache in caches:
-        cache.block_size = rows
-    try:
-        yield
-    finally:
-        for cache, size in zip(caches, saved):
-            cache.block_size = size
-
-
-@contextlib.contextmanager
-def _layout_resolved(vllm_config: Any, specs: dict[str, Any]) -> Iterator[None]:
-    """The KV-cache layout the engine core will resolve, set meanwhile where
-    it is not yet (a worker produces its specs before the engine core
-    resolves it; the planner asks for it), by vLLM's own resolution."""
-    cache_config = vllm_config.cache_config
-    saved = cache_config.kv_cache_layout
-    if saved is None:
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-        from vllm.v1.attention.backends.utils import (
-            get_supported_kv_cache_layouts,
-            resolve_kv_cache_layout,
-        )
-
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
-        backends = sorted({layer.get_attn_backend() for layer in layers}, key=str)
-        supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
-        resolved = resolve_kv_cache_layout(vllm_config, [supported], specs.values())
-        cache_config.kv_cache_layout = resolved.name
-    try:
-        yield
-    finally:
-        cache_config.kv_cache_layout = saved
-
-
-def planned_tokens(vllm_config: Any, caches: list[Any], rows: int) -> int:
-    """KV tokens per GiB at the engine's max-model-len with the drafter
-    ``caches`` at ``rows``-row pages, by vLLM's own planning of every layer."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
-
-    planner = _planner()
-    with _rows_meanwhile(caches, rows):
-        _state["planning_drafter_rows"] = True
-        try:
-            specs = get_kv_cache_spec(vllm_config)
-        finally:
-            _state["planning_drafter_rows"] = False
-    with _layout_resolved(vllm_config, specs):
-        groups = planner.get_kv_cache_groups(vllm_config, specs)
-        config = planner.get_kv_cache_config_from_groups(vllm_config, groups, PLANNED_MEMORY)
-        return int(get_kv_cache_capacity(vllm_config, config)[0])
-
-
 CHOSEN = "vllm_mla_fixes_drafter_rows"  # set on each drafter cache: (rows, why)
+
+
+def _layer_number(prefix: Any) -> int | None:
+    """``N`` of a ``...layers.N.<module>`` prefix, by vLLM's own parser (the
+    one DSpark's and every model's layers are numbered for), or None."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(str(prefix))
+    except (AssertionError, IndexError, ValueError):
+        return None
+
+
+def past_backbone(prefix: Any, vllm_config: Any) -> bool:
+    """Whether the cache built under ``prefix`` is a drafter's: numbered past
+    the backbone's layers."""
+    number = _layer_number(prefix)
+    backbone = _backbone_layers(vllm_config)
+    return number is not None and backbone is not None and number >= backbone
 
 
 def _drafter_caches(vllm_config: Any) -> list[Any]:
     context = vllm_config.compilation_config.static_forward_context
     return [context[name] for name in sorted(_state["drafter_swa_caches"]) if name in context]
+
+
+def row_candidates() -> tuple[int, ...]:
+    """The drafter page rows to plan: both where the installed FlashInfer
+    takes run-time page sizes and the setting forces neither, else the one."""
+    rows, _ = drafter_swa_rows()
+    if rows == DRAFTER_SWA_ROWS and settings.value(settings.DSV41_DRAFTER_SWA_ROWS) is None:
+        return (DRAFTER_SWA_ROWS, PAGE_ROWS)
+    return (rows,)
+
+
+def planned_choice(layers: int, tokens: dict[int, int]) -> tuple[int, str]:
+    """(rows, why) from the planned KV tokens per GiB of both candidates'
+    rows: the one holding more (a tie keeps 64, the rows of every other cache)."""
+    rows = max(tokens, key=lambda r: (tokens[r], r == PAGE_ROWS))
+    return rows, (
+        f"planned both with the engine's {layers} drafter layer{'s' if layers > 1 else ''}: "
+        f"{DRAFTER_SWA_ROWS}-row pages hold {tokens[DRAFTER_SWA_ROWS]:,} KV tokens per GiB, "
+        f"{PAGE_ROWS}-row {tokens[PAGE_ROWS]:,}"
+    )
+
+
+def keep_rows(caches: list[Any], rows: int, why: str) -> None:
+    """Give the drafter ``caches`` their page rows for good, and say why."""
+    for cache in caches:
+        cache.block_size = rows
+        setattr(cache, CHOSEN, (rows, why))
+        if rows != DRAFTER_SWA_ROWS:
+            _state["drafter_swa_narrowed"].add(cache.prefix)
+    _state["drafter_rows"] = (rows, why)
 
 
 def choose_rows(vllm_config: Any) -> tuple[int, str]:
@@ -118,10 +97,13 @@ def choose_rows(vllm_config: Any) -> tuple[int, str]:
     if chosen is not None:
         return chosen
     rows, why = drafter_swa_rows()
-    if rows == DRAFTER_SWA_ROWS and settings.value(settings.DSV41_DRAFTER_SWA_ROWS) is None:
+    candidates = row_candidates()
+    if len(candidates) > 1:
         try:
-            wide = planned_tokens(vllm_config, caches, DRAFTER_SWA_ROWS)
-            narrow = planned_tokens(vllm_config, caches, PAGE_ROWS)
+            tokens = {
+                count: planned_tokens(vllm_config, {cache: count for cache in caches})
+                for count in candidates
+            }
         except Exception as exc:  # noqa: BLE001 - keep the kernel page rows, say why
             rows = PAGE_ROWS
             why = (
@@ -130,18 +112,8 @@ def choose_rows(vllm_config: Any) -> tuple[int, str]:
             )
             _logger().warning("vllm-mla-fixes (%s): %s", INFO.name, why)
         else:
-            rows = DRAFTER_SWA_ROWS if wide > narrow else PAGE_ROWS
-            why = (
-                f"planned both with the engine's {len(caches)} drafter layer"
-                f"{'s' if len(caches) > 1 else ''}: {DRAFTER_SWA_ROWS}-row pages hold "
-                f"{wide:,} KV tokens per GiB, {PAGE_ROWS}-row {narrow:,}"
-            )
-    for cache in caches:
-        cache.block_size = rows
-        setattr(cache, CHOSEN, (rows, why))
-        if rows != DRAFTER_SWA_ROWS:
-            _state["drafter_swa_narrowed"].add(cache.prefix)
-    _state["drafter_rows"] = (rows, why)
+            rows, why = planned_choice(len(caches), tokens)
+    keep_rows(caches, rows, why)
     return rows, why
 
 
@@ -152,7 +124,7 @@ def with_planned_rows(cache: Any) -> None:
 
     @functools.wraps(produce)
     def get_kv_cache_spec(vllm_config: Any) -> Any:
-        if not _state["planning_drafter_rows"]:
+        if not _state["planning"]:
             choose_rows(vllm_config)
         return produce(vllm_config)
 

@@ -92,11 +92,11 @@ SPLIT, PER_RATIO = settings.GEOMETRIES  # the names the operator's setting takes
 
 
 UPSTREAM = "upstream"
+"""The fix steps aside: upstream's own layout for the line is within the installed
+kernels' envelopes (see :mod:`.upstream`)."""
 GAIN_TO_APPLY = 1.02
 """Where upstream's layout works, a layout nobody has run on hardware must hold
 at least this much more KV to be worth it (issue 25's 2% rule)."""
-"""The fix steps aside: upstream's own layout for the line is within the installed
-kernels' envelopes (see :mod:`.upstream`)."""
 
 
 GEOMETRY_ENV = settings.DSV41_GEOMETRY.name

@@ -11,13 +11,16 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
-    _backbone_layers,
     _decide,
     _decision_for_specs,
     drafter_swa_rows,
     stepped_aside,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.drafter_pages import with_planned_rows
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.drafter_pages import (
+    past_backbone,
+    with_planned_rows,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gain import settle, with_settling
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     DRAFTER_SWA_ROWS,
     INFO,
@@ -73,11 +76,13 @@ def _wrap_spec_producer(cls: type) -> Callable:
         spec = original(self, vllm_config)
         if spec is None:
             return None
+        settle(vllm_config)
         decision = _decision_for_specs(vllm_config)
         if decision.geometry == UPSTREAM:
             return spec
-        if isinstance(spec.tokens_per_state, int) and spec.tokens_per_state > 1:
-            _state["owned_ratios"].add(spec.tokens_per_state)
+        states = spec.tokens_per_state
+        if not _state["planning"] and isinstance(states, int) and states > 1:
+            _state["owned_ratios"].add(states)
         if decision.geometry == SPLIT:
             return split_spec(spec, decision.unit)
         return per_ratio_spec(spec)
@@ -101,31 +106,19 @@ def _per_spec_kernel_block_sizes(original: Callable) -> staticmethod:
     return staticmethod(get_supported_kernel_block_sizes)
 
 
-def _layer_number(prefix: Any) -> int | None:
-    """``N`` of a ``...layers.N.<module>`` prefix, by vLLM's own parser (the
-    one DSpark's and every model's layers are numbered for), or None."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    try:
-        return extract_layer_index(str(prefix))
-    except (AssertionError, IndexError, ValueError):
-        return None
-
-
 def swa_page_rows(prefix: Any) -> int:
-    """Sliding-window page rows for the cache built under ``prefix``: 128 for
-    a drafter layer's (numbered past the backbone) where FlashInfer takes
-    run-time page sizes, else 64."""
+    """Sliding-window page rows for the cache built under ``prefix``:
+    upstream's where its layout is in force; else 128 for a drafter layer's
+    (numbered past the backbone) where FlashInfer takes run-time page sizes,
+    and 64."""
     from vllm.config import get_current_vllm_config
 
     config = get_current_vllm_config()
     if _decide(config).geometry == UPSTREAM:
         return UPSTREAM_SWA_BLOCK
-    number = _layer_number(prefix)
-    backbone = _backbone_layers(config)
-    if number is None or backbone is None or number < backbone:
-        return PAGE_ROWS
-    return drafter_swa_rows()[0]
+    if past_backbone(prefix, config):
+        return drafter_swa_rows()[0]
+    return PAGE_ROWS
 
 
 def _swa_cache_with_kernel_pages(cache_class: type) -> Callable:
@@ -133,14 +126,18 @@ def _swa_cache_with_kernel_pages(cache_class: type) -> Callable:
     DeepSeek-V4.0 (which shares the class) is not touched."""
 
     def build_swa_cache(*args, **kwargs):
-        if kwargs.get("block_size") == UPSTREAM_SWA_BLOCK:
-            kwargs["block_size"] = swa_page_rows(kwargs.get("prefix"))
-            if kwargs["block_size"] == DRAFTER_SWA_ROWS:
-                _state["drafter_swa_caches"].add(kwargs.get("prefix"))
-                cache = cache_class(*args, **kwargs)
-                with_planned_rows(cache)
-                return cache
-        return cache_class(*args, **kwargs)
+        if kwargs.get("block_size") != UPSTREAM_SWA_BLOCK:
+            return cache_class(*args, **kwargs)
+        prefix = kwargs.get("prefix")
+        kwargs["block_size"] = swa_page_rows(prefix)
+        cache = cache_class(*args, **kwargs)
+        if kwargs["block_size"] == DRAFTER_SWA_ROWS:
+            _state["drafter_swa_caches"].add(prefix)
+            with_planned_rows(cache)
+        elif kwargs["block_size"] == UPSTREAM_SWA_BLOCK:
+            _state["upstream_swa_caches"].add(prefix)
+            with_settling(cache)
+        return cache
 
     build_swa_cache.__wrapped__ = cache_class  # type: ignore[attr-defined]
     return build_swa_cache

@@ -21,7 +21,15 @@ _state: dict[str, Any] = {
     # and of those planning then narrowed to 64 (drafter_pages).
     "drafter_swa_caches": set(),
     "drafter_swa_narrowed": set(),
-    "planning_drafter_rows": False,
+    # Prefixes of the sliding-window caches built with upstream's 32-row pages
+    # because upstream's layout works: the 2% rule (gain) may still move them
+    # to the fix's page rows before their first spec.
+    "upstream_swa_caches": set(),
+    # True while candidate layouts are planned with vLLM's planner: nothing is
+    # recorded, logged or planned again from inside such a pass.
+    "planning": False,
+    # The decision a planning pass lays out (None: the engine's own).
+    "planning_decision": None,
     # The last planned choice: (rows, why), for status.
     "drafter_rows": None,
 }
@@ -38,6 +46,10 @@ def _logger():
 
 
 _ORIGINAL_PRODUCERS: dict[type, Callable] = {}
+
+GAIN_MEMO = "vllm_mla_fixes_upstream_gain"
+"""Attribute set on an engine's upstream-row sliding-window caches once the
+2% rule has been planned for it: its :class:`decision.UpstreamGain`."""
 
 
 def _is_split_ratio1(group: Any) -> bool:
