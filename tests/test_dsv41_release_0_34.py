@@ -142,9 +142,12 @@ def test_fix_steps_aside_for_block_size_64_where_upstream_works(sm120):
         pages = repro.flashinfer_pages(geometry)
         decided, reason = fix.geometry_decision(geometry.vllm_config)
     assert decided == fix.UPSTREAM
-    assert reason == (
-        "not-needed: upstream's --block-size 64 layout is within the installed kernels' envelopes"
-    )
+    assert reason.startswith(
+        "not-needed: upstream's --block-size 64 layout is within the installed kernels' "
+        "envelopes; planned on the engine's layers at max_model_len 8192: the fix's "
+        "interleaved-split layout holds 71,488 KV tokens per GiB, upstream's 70,961 (1.007x, "
+        "under the 1.02x"
+    ), reason
     assert _pages(geometry) == {
         ("swa", 0): {32},
         ("compressed", 1): {64},

@@ -627,6 +627,63 @@ def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, r
     assert fixed[0].versus(best_upstream) >= 1.0, (fixed[0].tokens, best_upstream.tokens)
 
 
+@pytest.mark.vllm_release("0.34.0")
+@pytest.mark.parametrize(
+    ("drafters", "geometry_name", "figure"),
+    [((), fix.UPSTREAM, "(1.007x, under the 1.02x"), ((0, 0, 0), fix.SPLIT, "(1.066x, at least")],
+    ids=["no-speculation", "dspark"],
+)
+def test_the_two_percent_rule_is_planned_on_the_engines_layers(drafters, geometry_name, figure):
+    """Issue 25, item 4: 0.34.0's own --block-size 64 layout works on SM12x.
+    The geometry is first decided as the layers are built, before a drafter's
+    exist (the fix then stepped aside even with DSpark, at 63,050 tokens per
+    GiB where its split holds 67,209).  Now the first spec plans both layouts
+    with vLLM's planner on the engine's layers: without speculation the fix
+    gains 1.007x and steps aside; with DSpark's three drafter layers 1.066x, so
+    it applies, its sliding-window caches take its page rows before any spec
+    is handed out, the bound pages pass its start-up check, and vLLM's warm-up
+    registry (collecting while the caches are bound, as in the GPU model
+    runner's init_kv_cache) gets the index kernels for the new rows."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+    from vllm.v1.attention.backends.mla import sparse_swa
+
+    speculative = _dspark() if drafters else None
+    with repro.applied((12, 0)), repro.sm120_platform():
+        geometry = repro.plan_geometry(64, speculative_config=speculative, drafter_ratios=drafters)
+        repro.select_kernel_block_sizes(geometry)
+        repro.create_metadata_builders(geometry)
+        registry = JitWarmupRegistry(geometry.vllm_config)
+        with registry.activate():
+            repro.allocate_and_bind(geometry)  # the fix's page check runs here
+        decided, reason = fix.geometry_decision(geometry.vllm_config)
+    assert decided == geometry_name and figure in reason, reason
+    window_rows = {
+        name: spec.block_size for name, spec in geometry.specs.items() if "swa_cache" in name
+    }
+    drafter_names = {f"model.layers.{40 + i}.attn.swa_cache" for i in range(len(drafters))}
+    registered = registry._registrations.get(sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL, [])
+    dspark_registered = registry._registrations.get(
+        sparse_swa._COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL, []
+    )
+    if geometry_name == fix.UPSTREAM:
+        assert set(window_rows.values()) == {fix.UPSTREAM_SWA_BLOCK}
+        assert registered == [] and dspark_registered == []
+        return
+    assert {rows for name, rows in window_rows.items() if name not in drafter_names} == {64}
+    assert {window_rows[name] for name in drafter_names} == {fix.DRAFTER_SWA_ROWS}
+    assert {kwargs["block_size"] for _, kwargs in registered} == {64, fix.DRAFTER_SWA_ROWS}
+    assert {
+        (kwargs["block_size"], kwargs["num_speculative_tokens"]) for _, kwargs in dspark_registered
+    } == {(64, 3), (fix.DRAFTER_SWA_ROWS, 3)}
+    pages = {(p.kind, p.rows) for p in repro.flashinfer_pages(geometry)}
+    assert pages == {
+        ("swa", 64),
+        ("swa", fix.DRAFTER_SWA_ROWS),
+        ("compressed", 64),
+        ("indexer", 64),
+    }
+
+
 def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
     monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "64")
     with repro.applied((12, 0)):

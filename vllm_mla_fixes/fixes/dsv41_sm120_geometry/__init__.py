@@ -42,14 +42,22 @@ When it steps aside
     Every kernel's envelope is read from its own declaration in the installed
     build (``envelope``).  Where upstream's own layout for the line starts and
     every page of it is inside those envelopes (0.34.0 with --block-size 64 or
-    unset), the fix leaves the layout alone: decision ``upstream``, logged as
-    "not-needed: upstream's --block-size N layout is within the installed
-    kernels' envelopes".  Its own layouts would hold under 2% more there
-    (1.007x / 1.012x at 8k / 128k), not worth a layout nobody has run on
-    hardware.  An envelope that cannot be read is never "accepts": the fix then
-    keeps its layout.  ``VLLM_MLA_FIXES_DSV41_GEOMETRY`` still forces a geometry.
-    ``python -m vllm_mla_fixes.reproductions.dsv41_truth_table`` derives, on
-    CPU, every cell (release, block size, speculation, SM120/SM121).
+    unset), the fix applies only where its own layout holds at least 2% more
+    KV tokens per GiB (``GAIN_TO_APPLY``), at the engine's max-model-len, with
+    the layers the engine really builds.  The first spec vLLM asks of a
+    DeepSeek-V4.1 cache plans both layouts with vLLM's planner on those layers
+    (``gain``): without speculation or with ngram the fix's would hold 1.007x /
+    1.012x (8k / 128k), not worth a layout nobody has run on hardware, so it
+    steps aside (decision ``upstream``, logged as "not-needed: upstream's
+    --block-size N layout is within the installed kernels' envelopes; planned
+    on the engine's layers ...  (1.007x, under the 1.02x ...)"); with DSpark's
+    three drafter layers the split holds 1.066x / 1.034x (they share one
+    128-row group), so it applies, its sliding-window caches taking its page
+    rows before any spec is handed out.  An envelope that cannot be read is
+    never "accepts": the fix then keeps its layout.
+    ``VLLM_MLA_FIXES_DSV41_GEOMETRY`` still forces a geometry.  ``python -m
+    vllm_mla_fixes.reproductions.dsv41_truth_table`` derives, on CPU, every
+    cell (release, block size, speculation, SM120/SM121).
 
 How we fix it
     On SM12x only, every page FlashInfer or the indexer reads holds 64 states,
@@ -123,6 +131,9 @@ Layout
     gate      reviewed vLLM definitions and the probe
     state     what the fix made in this process (reset by apply)
     decision  which geometry an engine configuration gets, and why
+    planning  candidate layouts planned with vLLM's planner on the real layers
+    drafter_pages  a DSpark drafter's sliding-window page rows
+    gain      the 2% rule where upstream's layout works
     slots     ratio-1 writer slots under the split
     views     interleaved ratio-1 kernel views, block zeroing and copies
     specs     KV-cache specs, kernel block sizes, SWA pages, warm-up keys
