@@ -804,7 +804,8 @@ def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
         assert (
             "geometry chosen when the model loads: upstream (the fix steps aside) where "
             "upstream's layout for the line starts and every page is inside the installed "
-            "kernels' own envelopes; else interleaved-split by default"
+            "kernels' own envelopes, unless the fix's layout, planned on the engine's layers, "
+            "holds at least 1.02x its KV tokens; else interleaved-split by default"
         ) in entry.reason
         repro.plan_geometry(128)
         entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]

@@ -216,7 +216,10 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
     with logs_to_stderr():
         report = run_selftest(
-            tuple(args.geometry or ()) or None, jobs=args.jobs, timing=not args.no_timing
+            tuple(args.geometry or ()) or None,
+            jobs=args.jobs,
+            timing=not args.no_timing,
+            geometry_limit_seconds=args.geometry_timeout,
         )
     document = json.dumps(report.as_json(), indent=2)
     if args.report is not None:
@@ -402,7 +405,18 @@ def build_parser() -> argparse.ArgumentParser:
         "on a GPU they run one after another, each in a process of its own)",
     )
     selftest.add_argument(
-        "--no-timing", action="store_true", help="skip timing the per-step slot translation"
+        "--no-timing",
+        action="store_true",
+        help="skip the timings (the per-step slot translation; on a GPU, the decode-step kernels)",
+    )
+    selftest.add_argument(
+        "--geometry-timeout",
+        type=arguments.positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="stop a geometry's process still running after SECONDS and report it hung "
+        "(where geometries run in processes of their own: on a GPU, or with --jobs above 1; "
+        "default 1800, room for a first run's JIT build of FlashInfer's SM120 kernels)",
     )
     selftest.add_argument(
         "--report",

@@ -106,9 +106,14 @@ def jobs_problem(device: Device, jobs: int | None) -> str | None:
 
 
 def run_selftest(
-    geometries: tuple[str, ...] | None = None, jobs: int | None = None, timing: bool = True
+    geometries: tuple[str, ...] | None = None,
+    jobs: int | None = None,
+    timing: bool = True,
+    geometry_limit_seconds: float | None = None,
 ) -> Report:
-    """Run the self-test on the local device; never raises for what it finds."""
+    """Run the self-test on the local device; never raises for what it finds.
+    ``timing=False`` skips every timing; ``geometry_limit_seconds`` bounds each
+    geometry's process where they run in processes of their own."""
     import vllm
 
     from .kernels import Kernels, detect_device
@@ -126,13 +131,14 @@ def run_selftest(
         jobs = jobs or min(len(names), os.cpu_count() or 1)
     report.isolated = device.kind != "cpu" or (jobs or 1) > 1
     if report.isolated:
-        from .isolation import run_isolated
+        from .isolation import DEFAULT_LIMIT_SECONDS, run_isolated
 
-        report.results = run_isolated(names, device, jobs or 1)
+        limit = geometry_limit_seconds or DEFAULT_LIMIT_SECONDS
+        report.results = run_isolated(names, device, jobs or 1, limit, timed=timing)
     else:
         from .harness import run_geometry
 
-        report.results = [run_geometry(name, device, kernels) for name in names]
+        report.results = [run_geometry(name, device, kernels, timed=timing) for name in names]
     if timing:
         try:
             report.timing = slot_translation_cost(device)

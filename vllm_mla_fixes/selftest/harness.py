@@ -942,11 +942,12 @@ def run_geometry(
     seed: int = 0,
     plans: tuple[StepPlan, ...] = TIMELINE,
     entering: Callable[[str], None] | None = None,
+    timed: bool = True,
 ) -> GeometryResult:
     """Replay the timeline (or its first ``plans``) on one geometry; never
     raises for what it finds.  ``entering`` is told each kernel before it is
     called and ``""`` after it returns (a process that dies in a kernel is
-    charged to it)."""
+    charged to it); ``timed=False`` skips the GPU's decode-step timing."""
     geometry = GEOMETRIES[name]
     model = model or TinyModel()
     if not geometry.via_plugin:
@@ -975,6 +976,7 @@ def run_geometry(
                 result.status = f"{applied.status.reason}; {fix.status_detail()}"
             result.tiling_problems = tiling_problems(layout)
             run = Run(layout, kernels, result, seed, entering)
+            run.times_decode = run.times_decode and timed
             for plan in plans:
                 run.step(plan)
             result.stray_bytes = run.stray_bytes()

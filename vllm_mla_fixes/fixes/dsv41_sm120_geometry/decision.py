@@ -424,7 +424,8 @@ def status_detail() -> str:
     return (
         f"geometry chosen when the model loads: {UPSTREAM} (the fix steps aside) where "
         "upstream's layout for the line starts and every page is inside the installed "
-        f"kernels' own envelopes; else {SPLIT} by default (also with DSpark "
+        "kernels' own envelopes, unless the fix's layout, planned on the engine's layers, "
+        f"holds at least {GAIN_TO_APPLY:.2f}x its KV tokens; else {SPLIT} by default (also with DSpark "
         "drafters that own or read no ratio-1 cache, ngram and suffix), "
         f"{PER_RATIO} with EAGLE-style or other speculative methods, a KV connector other "
         "than CPU offloading, DCP/PCP > 1, HiSparse, another KV record, ratio-1 caches that do not "
