@@ -185,7 +185,7 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     assert proc.returncode == 2  # mxfp4 and triton block this line on SM120
     assert json.loads(proc.stdout)["verdict"] == "WILL FAIL"
     # it points to the self-test and the smoke check, the two commands tests run
-    (check,) = [f for f in findings if f["message"].startswith("prove the fixed KV layout")]
+    (check,) = [f for f in findings if f["message"].startswith("prove the KV layouts")]
     assert check["advice"] == (
         "vllm-mla-fixes selftest; then vllm-mla-fixes smoke http://<host>:<port>"
     )

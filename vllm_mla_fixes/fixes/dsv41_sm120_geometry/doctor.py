@@ -49,9 +49,10 @@ def diagnose(env, serve) -> list:
         Finding(
             "info",
             name,
-            "prove the fixed KV layout on this GPU before serving: the "
-            "self-test runs FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits "
-            "and the indexer-K gather over it against a dense reference (exit 0 pass, "
+            "prove the KV layouts on this GPU before serving: the self-test runs "
+            "FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits and the indexer-K "
+            "gather over the fix's layouts and upstream's own (the one left in place where "
+            "the fix steps aside) against a dense reference (exit 0 pass, "
             "1 mismatch, 2 cannot run); once the server is up, check its replies for "
             "U+FFFD; attach both outputs to a bug report",
             f"{SELFTEST_COMMAND}; then {SMOKE_COMMAND}",
