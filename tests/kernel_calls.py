@@ -17,10 +17,14 @@ the kernel and the call is recorded there:
 * :func:`vllm_indexer_decode` runs the release's own DeepSeek-V4.1 indexer
   layer (``SparseAttnIndexer`` built from the release's config, its
   ``forward_cuda`` and ``sparse_attn_indexer``) on the self-test's caches and
-  metadata, so the call recorded is the one the server makes.
+  metadata, so the call recorded is the one the server makes;
+* :func:`recording_compressed_writer` stands a recorder in the place of each
+  Triton kernel the release's ``rope_quant_insert`` launches (the compressed
+  KV writer), and :func:`vllm_compressed_insert` runs the release's own
+  ``DeepseekCompressor.insert_cache`` on the self-test's caches and metadata.
 
-Nothing of vLLM is replaced: the recorders stand where the compiled kernels
-would run.
+Nothing of vLLM's code on the way to a kernel is replaced: the recorders
+stand where the compiled (or Triton) kernels would run.
 """
 
 from __future__ import annotations

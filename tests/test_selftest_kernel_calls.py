@@ -20,6 +20,14 @@ self-test's write must be the same call, into a cache of the record the layer
 writes on that arch (the 528-byte V4.1 MXFP8 record on SM100, else the 584-byte
 V4 one): the record, the page alignment and the block-stride alignment are the
 values the layer's own ``__init__`` statements compute on that arch.
+
+The compressed KV: a kv source's compressor publishes it through
+``DeepseekCompressor.insert_cache`` and ``rope_quant_insert``, which launches
+the Triton kernel the cache's record width names; recorded at those kernels,
+the self-test's write must be the same launch, into a cache of the record and
+page alignment the layer's ``__init__`` statements give the compressed cache
+on that arch (on SM100 the 528-byte V4.1 MXFP8 record and 512-byte pages,
+else the 584-byte V4 record and 576-byte pages).
 """
 
 from __future__ import annotations
@@ -311,11 +319,12 @@ def test_selftest_writes_the_compressed_kv_as_the_compressor_does(arch):
 
 @pytest.mark.vllm_release(*DSV41)
 def test_sm100_window_records_read_back_exactly_on_cpu():
-    """On SM100 the window KV is the V4.1 MXFP8 record: the self-test lays its
-    caches out for it, its CPU writer stores it (byte for byte vLLM's Triton
-    twin, tests/test_selftest.py), the readers decode it and the dense
-    reference quantises every dim per 32; a prefill and a decode of the split
-    geometry then read back exactly, every byte in its pages."""
+    """On SM100 the window KV and the compressed KV are V4.1 MXFP8 records:
+    the self-test lays its caches out for them, its CPU writers store them
+    (the SWA one byte for byte vLLM's Triton twin, tests/test_selftest.py; the
+    compressor's Triton kernel itself, interpreted), the readers decode them
+    and the dense reference quantises every dim per 32; a prefill and a decode
+    of the split geometry then read back exactly, every byte in its pages."""
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
     from vllm_mla_fixes.selftest.timeline import StepPlan
@@ -330,7 +339,7 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
     original = harness.Run.write
 
     def write(run, batch, block_ids):
-        records.append(run.layout.swa_record)
+        records.append(run.layout.kv_records)
         return original(run, batch, block_ids)
 
     harness.Run.write = write
@@ -342,8 +351,11 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
     finally:
         harness.Run.write = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
-    assert records and all(r.mxfp8 for r in records), records
+    assert records and all(
+        r.mxfp8 and r.swa_bytes_per_token == r.compressed_bytes_per_token == 528 for r in records
+    ), records
     assert result.clean, {k: t.problems for k, t in result.kernels.items() if t.problems}
+    assert result.kernels[kn.COMPRESSED_WRITER].writes, "no compressed KV was written"
     for kernel in (kn.ATTENTION_PREFILL, kn.ATTENTION_DECODE):
         tally = result.kernels[kernel]
         assert tally.compared and tally.worst == 0.0, (kernel, tally.compared, tally.worst)
