@@ -17,10 +17,14 @@ the kernel and the call is recorded there:
 * :func:`vllm_indexer_decode` runs the release's own DeepSeek-V4.1 indexer
   layer (``SparseAttnIndexer`` built from the release's config, its
   ``forward_cuda`` and ``sparse_attn_indexer``) on the self-test's caches and
-  metadata, so the call recorded is the one the server makes.
+  metadata, so the call recorded is the one the server makes;
+* :func:`recording_compressed_writer` stands a recorder in the place of each
+  Triton kernel the release's ``rope_quant_insert`` launches (the compressed
+  KV writer), and :func:`vllm_compressed_insert` runs the release's own
+  ``DeepseekCompressor.insert_cache`` on the self-test's caches and metadata.
 
-Nothing of vLLM is replaced: the recorders stand where the compiled kernels
-would run.
+Nothing of vLLM's code on the way to a kernel is replaced: the recorders
+stand where the compiled (or Triton) kernels would run.
 """
 
 from __future__ import annotations
@@ -204,6 +208,83 @@ def recording_writers(calls: list[Call], caller: list[str]):
         yield
     finally:
         library._destroy()
+
+
+# The compressed caches' writer: vLLM's compressor publishes through
+# ``rope_quant_insert``, which launches the Triton kernel its cache's record
+# width names.
+COMPRESSED_WRITER_MODULE = "vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache"
+
+
+class _LaunchRecorder:
+    """Stands where one of ``rope_quant_insert``'s Triton kernels is: each
+    launch is recorded by the kernel's parameter names (and its grid), and
+    writes nothing."""
+
+    def __init__(self, name: str, kernel, calls: list[Call], caller: list[str]):
+        import inspect
+
+        self.name = name
+        self.params = list(inspect.signature(kernel.fn).parameters)
+        self.calls = calls
+        self.caller = caller
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = {name: describe(value) for name, value in zip(self.params, args)}
+            named.update({name: describe(value) for name, value in kwargs.items()})
+            named["grid"] = describe(tuple(grid))
+            self.calls.append(Call(f"triton.{self.name}", named, self.caller[0]))
+
+        return launch
+
+
+@contextlib.contextmanager
+def recording_compressed_writer(calls: list[Call], caller: list[str]):
+    """The Triton kernels the installed release's ``rope_quant_insert`` can
+    launch record their launches into ``calls`` meanwhile (tagged with
+    ``caller[0]``) and write nothing."""
+    import importlib
+
+    from triton.runtime.jit import KernelInterface
+
+    module = importlib.import_module(COMPRESSED_WRITER_MODULE)
+    kernels = {
+        name: getattr(module, name)
+        for name in module.rope_quant_insert.__code__.co_names
+        if isinstance(getattr(module, name, None), KernelInterface)
+    }
+    assert kernels, "rope_quant_insert launches no Triton kernel this test knows"
+    for name, kernel in kernels.items():
+        setattr(module, name, _LaunchRecorder(name, kernel, calls, caller))
+    try:
+        yield
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+
+
+def vllm_compressed_insert(layout, cache, metadata: dict, latent, positions, cos_sin) -> None:
+    """The release's DeepSeek-V4.1 compressor publishing ``latent`` into the
+    compressed cache ``cache``: ``DeepseekCompressor.insert_cache`` run with
+    the step's metadata on a compressor without its ``__init__`` (whose
+    projection needs vLLM's CUDA ops), holding what that ``__init__`` sets
+    for it as ``DeepseekV4Attention.__init__`` builds a kv source's: the
+    compress ratio, the layer's prefix as ``k_cache_prefix`` (it finds the
+    cache in the forward context) and the configuration's forward context."""
+    from types import SimpleNamespace
+
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.models.deepseek_v41.compressor import DeepseekCompressor
+
+    compressor = DeepseekCompressor.__new__(DeepseekCompressor)
+    torch.nn.Module.__init__(compressor)
+    compressor.compress_ratio = cache.ratio
+    compressor.k_cache_prefix = cache.name
+    compressor._static_forward_context = layout.config.compilation_config.static_forward_context
+    context = ForwardContext(no_compile_layers={}, attn_metadata=metadata, slot_mapping={})
+    with override_forward_context(context):
+        compressor.insert_cache(latent, positions, SimpleNamespace(cos_sin_cache=cos_sin))
 
 
 def preload() -> None:

@@ -469,3 +469,55 @@ def test_swa_records_read_back_as_the_dense_reference(mxfp8):
     held = [i for i, slot in enumerate(slots.tolist()) if slot < 24]
     local = slots[held]
     torch.testing.assert_close(gathered[0, local].float(), want[held].to(torch.bfloat16).float())
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("mxfp8", [False, True], ids=["v4-record", "v41-mxfp8-record"])
+def test_compressed_records_read_back_as_the_dense_reference(mxfp8):
+    """The compressed KV as the release's compressor writes it
+    (``rope_quant_insert``, interpreted; the record named by the cache's
+    width: 584-B V4, or SM100's 528-B V4.1 MXFP8 with the RoPE dims rotated in
+    fp32 and quantised with the rest): the self-test's reader decodes each
+    record, in the release's scale placement, to exactly the dense
+    reference's row, and the bytes outside the written records stay as they were."""
+    import torch
+    from vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache import (
+        rope_quant_insert,
+    )
+
+    from vllm_mla_fixes.selftest import reference as ref
+
+    record, _ = _swa_records(mxfp8)
+    gen = torch.Generator().manual_seed(13)
+    ratio, block_size, pages = 2, 16, 5
+    slots = torch.tensor([3, 17, 0, 79, 40, 41, 63, 5, 33, 18], dtype=torch.int64)
+    # Each token ends its group (position + 1 divisible by the ratio), so each is written.
+    positions = 2 * torch.randint(0, 200, (slots.numel(),), generator=gen) + 1
+    angles = torch.rand(512, 32, generator=gen) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).to(torch.float32)
+    latent = _v4_rows(slots.numel(), gen)
+
+    page_bytes = block_size * record + 200  # aligned pages leave padding after the records
+    storage = torch.full((300 + pages * page_bytes + 100,), 0xA5, dtype=torch.uint8)
+    cache = torch.as_strided(storage[300:], (pages, block_size, record), (page_bytes, record, 1))
+    rope_quant_insert(latent, positions, cos_sin, cache, slots, ratio)
+
+    got = ref.read_kv_rows(cache, slots)
+    first = positions - 1  # RoPE at the group's first position
+    want = ref.dense_compressed_rows(
+        latent, cos_sin[first, :32], cos_sin[first, 32:], ref.interpreter_rounding(), mxfp8
+    )
+    assert torch.equal(got, want), float((got - want).abs().max())
+    written = torch.zeros_like(storage, dtype=torch.bool)
+    for slot in slots.tolist():
+        start = 300 + (slot // block_size) * page_bytes
+        row = slot % block_size
+        if record == ref.RECORD_BYTES:
+            spans = [(row * ref.DATA_BYTES, ref.DATA_BYTES)]
+            spans.append((block_size * ref.DATA_BYTES + row * ref.FOOTER_BYTES, ref.FOOTER_BYTES))
+        else:
+            values, scales = ref.mxfp8_addresses(torch.tensor(0), torch.tensor(row), block_size)
+            spans = [(int(values), ref.HEAD), (int(scales), ref.MX_SCALES)]
+        for offset, width in spans:
+            written[start + offset : start + offset + width] = True
+    assert bool((storage[~written] == 0xA5).all()), "bytes outside the written records changed"

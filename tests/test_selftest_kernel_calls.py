@@ -20,15 +20,28 @@ self-test's write must be the same call, into a cache of the record the layer
 writes on that arch (the 528-byte V4.1 MXFP8 record on SM100, else the 584-byte
 V4 one): the record, the page alignment and the block-stride alignment are the
 values the layer's own ``__init__`` statements compute on that arch.
+
+The compressed KV: a kv source's compressor publishes it through
+``DeepseekCompressor.insert_cache`` and ``rope_quant_insert``, which launches
+the Triton kernel the cache's record width names; recorded at those kernels,
+the self-test's write must be the same launch, into a cache of the record and
+page alignment the layer's ``__init__`` statements give the compressed cache
+on that arch (on SM100 the 528-byte V4.1 MXFP8 record and 512-byte pages,
+else the 584-byte V4 record and 576-byte pages).
 """
 
 from __future__ import annotations
+
+import functools
 
 import kernel_calls as kc
 import pytest
 import torch
 
 DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+# What the layer's __init__ sets that its compressed cache's spec and
+# writer depend on (DeepseekV4Attention.get_kv_cache_spec reads the last two).
+COMPRESSED_CACHE_ATTRIBUTES = ("kv_mxfp8", "compressed_bytes_per_token", "kv_page_alignment")
 
 
 def _record(arch: str):
@@ -124,7 +137,12 @@ def _check_probe(arch: str, t: dict) -> None:
         torch.testing.assert_close(standing_in[row, :length], expected)
 
 
+@functools.cache
 def _record_writers(arch: str):
+    """One prefill and one decode of the split geometry on a pretend ``arch``,
+    each step's window-KV and compressed-KV writes made first by vLLM's own
+    writers and then by the self-test's, all recorded where the kernels
+    stand; (calls, the layer's own cache arguments, the self-test's caches)."""
     from types import SimpleNamespace
 
     from vllm_mla_fixes.selftest import harness
@@ -134,19 +152,25 @@ def _record_writers(arch: str):
     calls: list[kc.Call] = []
     caller = ["builder"]
     original = harness.Run.write
-    swa_caches = []
+    caches = []
 
     def write(run, batch, block_ids):
+        caller[0] = "vllm"
+        caches[:] = [*run.layout.by_kind("swa"), *run.layout.by_kind("compressed")]
         # vLLM's main forward publishes each layer's window KV through the
         # layer's _fused_qnorm_rope_kv_insert (DeepseekV4Attention.forward).
-        caller[0] = "vllm"
-        swa_caches[:] = run.layout.by_kind("swa")
         for cache in run.layout.by_kind("swa"):
             layer = run.layout.readers[cache.layer]
             layer.rotary_emb = SimpleNamespace(cos_sin_cache=run.inputs.cos_sin_dev)
             kv = run.inputs.rows(run.inputs.swa, cache.layer, batch, batch.num_tokens_padded)
             q = kv.new_zeros(kv.shape[0], layer.n_local_heads, kv.shape[1])
             layer._fused_qnorm_rope_kv_insert(q, kv, batch.positions, batch.metadata)
+        # A kv source's compressor publishes its latent (DeepseekCompressor.insert_cache).
+        for cache in run.layout.by_kind("compressed"):
+            latent = run.inputs.rows(run.inputs.latent, cache.layer, batch, batch.num_tokens_padded)
+            kc.vllm_compressed_insert(
+                run.layout, cache, batch.metadata, latent, batch.positions, run.inputs.cos_sin_dev
+            )
         caller[0] = "selftest"
         try:
             return original(run, batch, block_ids)
@@ -159,21 +183,27 @@ def _record_writers(arch: str):
     plans = (StepPlan("C prefill", (("C", None),), ()), StepPlan("C decode", (("C", 1),), ()))
     harness.Run.write = write
     try:
-        with kc.pretend_gpu(arch), kc.recording(calls, caller), kc.recording_writers(calls, caller):
+        with (
+            kc.pretend_gpu(arch),
+            kc.recording(calls, caller),
+            kc.recording_writers(calls, caller),
+            kc.recording_compressed_writer(calls, caller),
+        ):
             result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
-            layer = _layer_swa_cache_arguments()
+            layer = _layer_cache_arguments()
     finally:
         harness.Run.write = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
-    return calls, layer, swa_caches
+    return calls, layer, caches
 
 
-def _layer_swa_cache_arguments() -> dict:
+def _layer_cache_arguments() -> dict:
     """What ``DeepseekV4Attention.__init__`` of the installed release gives its
-    SWA cache on this (pretended) arch under ``--kv-cache-dtype fp8``: its own
+    caches on this (pretended) arch under ``--kv-cache-dtype fp8``: its own
     statements that set ``kv_mxfp8``, the record widths and the page
-    alignment, run on a bare object in the module's namespace, then the
-    ``DeepseekV4SWACache(...)`` call's packing arguments evaluated on it."""
+    alignment, run on a bare object in the module's namespace (the compressed
+    cache's record and alignment), then the ``DeepseekV4SWACache(...)`` call's
+    packing arguments evaluated on it."""
     import ast
     import inspect
     import textwrap
@@ -217,13 +247,15 @@ def _layer_swa_cache_arguments() -> dict:
         for keyword in calls[0].keywords
         if keyword.arg and keyword.arg.startswith("packed_")
     }
-    return {"kv_mxfp8": self.kv_mxfp8, **arguments}
+    compressed = {name: getattr(self, name) for name in COMPRESSED_CACHE_ATTRIBUTES}
+    return {**compressed, **arguments}
 
 
 @pytest.mark.vllm_release(*DSV41)
 @pytest.mark.parametrize("arch", list(kc.ARCHS))
 def test_selftest_writes_the_window_kv_through_the_main_forwards_writer(arch):
-    calls, layer, swa_caches = _record_writers(arch)
+    calls, layer, caches = _record_writers(arch)
+    swa_caches = [cache for cache in caches if cache.kind == "swa"]
     writes = [c for c in calls if c.kernel.startswith("_C.")]
     theirs = [c for c in writes if c.caller == "vllm"]
     ours = [c for c in writes if c.caller == "selftest"]
@@ -249,12 +281,50 @@ def test_selftest_writes_the_window_kv_through_the_main_forwards_writer(arch):
 
 
 @pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("arch", list(kc.ARCHS))
+def test_selftest_writes_the_compressed_kv_as_the_compressor_does(arch):
+    """vLLM's compressor publishes a kv source's latent through
+    ``rope_quant_insert``, which launches the Triton kernel the cache's record
+    width names (584: V4, 528: V4.1 MXFP8); recorded at those kernels, the
+    self-test's write is the same launch (kernel, argument dtypes, shapes,
+    strides, constexprs), into caches of the record and page alignment the
+    layer's own ``__init__`` statements give the compressed cache on that arch."""
+    calls, layer, caches = _record_writers(arch)
+    launches = [c for c in calls if c.kernel.startswith("triton.")]
+    theirs = [c for c in launches if c.caller == "vllm"]
+    ours = [c for c in launches if c.caller == "selftest"]
+    assert theirs, f"vLLM's compressor wrote no compressed KV on {arch}"
+    assert [c.kernel for c in ours] == [c.kernel for c in theirs], (
+        f"on {arch} the self-test launches {[c.kernel for c in ours]}, "
+        f"vLLM's compressor {[c.kernel for c in theirs]}"
+    )
+    problems = [p for want, got in zip(theirs, ours) for p in kc.differences(want, got)]
+    assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
+    width = layer["compressed_bytes_per_token"]
+    written = {c.kernel: c.args["cache"].shape[-1] for c in theirs}
+    assert set(written.values()) == {width}, (
+        f"on {arch} the compressed KV is written as {written} (kernel: record bytes); "
+        f"the layer's __init__ gives its compressed cache {width}-byte records"
+    )
+    compressed = [cache for cache in caches if cache.kind == "compressed"]
+    assert compressed, "the self-test has no compressed cache"
+    want = {name: layer[name] for name in COMPRESSED_CACHE_ATTRIBUTES}
+    for cache in compressed:
+        held = {name: getattr(cache.module, name) for name in COMPRESSED_CACHE_ATTRIBUTES}
+        assert held == want, f"on {arch} the layer sets {want}, the self-test's {held}"
+        assert cache.spec.state_content_bytes == width, (arch, cache.spec)
+        assert cache.spec.alignment == layer["kv_page_alignment"], (arch, cache.spec)
+        assert cache.bound.shape[-1] == width, (arch, tuple(cache.bound.shape))
+
+
+@pytest.mark.vllm_release(*DSV41)
 def test_sm100_window_records_read_back_exactly_on_cpu():
-    """On SM100 the window KV is the V4.1 MXFP8 record: the self-test lays its
-    caches out for it, its CPU writer stores it (byte for byte vLLM's Triton
-    twin, tests/test_selftest.py), the readers decode it and the dense
-    reference quantises every dim per 32; a prefill and a decode of the split
-    geometry then read back exactly, every byte in its pages."""
+    """On SM100 the window KV and the compressed KV are V4.1 MXFP8 records:
+    the self-test lays its caches out for them, its CPU writers store them
+    (the SWA one byte for byte vLLM's Triton twin, tests/test_selftest.py; the
+    compressor's Triton kernel itself, interpreted), the readers decode them
+    and the dense reference quantises every dim per 32; a prefill and a decode
+    of the split geometry then read back exactly, every byte in its pages."""
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
     from vllm_mla_fixes.selftest.timeline import StepPlan
@@ -269,7 +339,7 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
     original = harness.Run.write
 
     def write(run, batch, block_ids):
-        records.append(run.layout.swa_record)
+        records.append(run.layout.kv_records)
         return original(run, batch, block_ids)
 
     harness.Run.write = write
@@ -281,8 +351,11 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
     finally:
         harness.Run.write = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
-    assert records and all(r.mxfp8 for r in records), records
+    assert records and all(
+        r.mxfp8 and r.swa_bytes_per_token == r.compressed_bytes_per_token == 528 for r in records
+    ), records
     assert result.clean, {k: t.problems for k, t in result.kernels.items() if t.problems}
+    assert result.kernels[kn.COMPRESSED_WRITER].writes, "no compressed KV was written"
     for kernel in (kn.ATTENTION_PREFILL, kn.ATTENTION_DECODE):
         tally = result.kernels[kernel]
         assert tally.compared and tally.worst == 0.0, (kernel, tally.compared, tally.worst)

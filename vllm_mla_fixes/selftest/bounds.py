@@ -113,11 +113,13 @@ def real_attention_bound(heads: int) -> Bound:
 # report 3.3.2; over d = 128 that is 128 * 2**-14 = 2**-7 of sum |q_i k_i| at
 # worst, about sqrt(128) * 2**-14 typically, inside the step.)  The flips'
 # share of a real attention row's rel-L2 is negligible: a few elements of
-# thousands.  SM100's MXFP8 window record (every dim e4m3, 32 per scale) is
-# held to the same step: where the CUDA writer's fp32 RoPE output (the
-# reference rounds it to bf16 first, as the Triton twin's input is) sits on
-# the other side of an e4m3 midpoint, or moves a tile's amax across a power
-# of two, an element lands one step of its final grid away.
+# thousands.  SM100's MXFP8 records (every dim e4m3, 32 per scale; the window
+# KV and the compressed KV) are held to the same step: where the CUDA
+# writer's fp32 RoPE output (the reference rounds it to bf16 first, as the
+# Triton twin's input is) or the compressor's fp32 rotation (a few ulps off
+# the reference's) sits on the other side of an e4m3 midpoint, or moves a
+# tile's amax across a power of two, an element lands one step of its final
+# grid away.
 GPU_WRITER_ROUNDING = Bound(
     E4M3_STEP,
     MAX_ABS,

@@ -486,7 +486,7 @@ class Run:
                 block_ids,
                 slots,
                 swa_md.block_size,
-                self.layout.swa_record.bytes_per_token,
+                self.layout.kv_records.swa_bytes_per_token,
                 lambda c=cache, r=rows, p=pos, s=slots, m=swa_md: self.kernels.write_swa(
                     c.module.kv_cache,
                     r,
@@ -510,7 +510,7 @@ class Run:
                 block_ids,
                 slots,
                 None,
-                ref.RECORD_BYTES,
+                self.layout.kv_records.compressed_bytes_per_token,
                 lambda c=cache, s=slots, x=latent: self.kernels.write_compressed(
                     c.module.kv_cache, x, positions, inputs.cos_sin_dev, s, c.ratio
                 ),
@@ -707,19 +707,20 @@ class Run:
             rows = ref.rope_swa_rows(
                 inputs.swa[name][layer], inputs.cos_sin, ref.Rounding("round-to-nearest-even")
             )
-            self.dense[key] = ref.dense_swa_rows(rows, self.rounding, self.layout.swa_record.mxfp8)
+            self.dense[key] = ref.dense_swa_rows(rows, self.rounding, self.layout.kv_records.mxfp8)
         return self.dense[key]
 
     def dense_compressed(self, name: str, source: int, ratio: int) -> torch.Tensor:
         """Every compressed state's row as ``rope_quant_insert`` stores it (the
-        latent of the state's last token, RoPE at its first), dequantised."""
+        latent of the state's last token, RoPE at its first; fp8 NoPE and bf16
+        RoPE, or fp8 throughout in the SM100 MXFP8 record), dequantised."""
         key = ("compressed", name, source)
         if key not in self.dense:
             states = torch.arange(self.model.max_model_len // ratio)
             latent = self.inputs.latent[name][source][states * ratio + ratio - 1]
             angles = self.inputs.cos_sin[states * ratio]
             self.dense[key] = ref.dense_compressed_rows(
-                latent, angles[:, :32], angles[:, 32:], self.rounding
+                latent, angles[:, :32], angles[:, 32:], self.rounding, self.layout.kv_records.mxfp8
             )
         return self.dense[key]
 

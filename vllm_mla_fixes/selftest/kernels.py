@@ -6,11 +6,13 @@ sliding-window insert, the layer's own ``_fused_qnorm_rope_kv_insert``
 its KV half is bit for bit ``fused_deepseek_v4_kv_rope_insert``, as vLLM's
 ``forward_kv`` says, whose Triton twin is ``quantize_and_insert_k_cache`` after
 the same RoPE; on CPU :func:`insert_v4_records_stand_in` writes the bytes the
-interpreted twin writes), ``rope_quant_insert`` for the compressed KV cache and
-``indexer_k_norm_rope_store`` for the indexer keys (Triton; interpreted on
-CPU).  On SM100 the releases write the SWA record as MXFP8 (528 bytes, the
-layer's ``kv_mxfp8``; the layout holds it there, and on CPU
-:func:`insert_mxfp8_records_stand_in` writes what that record's Triton twin
+interpreted twin writes), ``rope_quant_insert`` for the compressed KV cache
+(what vLLM's ``DeepseekCompressor.insert_cache`` calls; it launches the
+Triton kernel the cache's record width names) and ``indexer_k_norm_rope_store``
+for the indexer keys (Triton; interpreted on CPU).  On SM100 the releases
+write both the SWA and the compressed KV as V4.1 MXFP8 records (528 bytes, the
+layer's ``kv_mxfp8``; the layout holds them there, and on CPU
+:func:`insert_mxfp8_records_stand_in` writes what the SWA record's Triton twin
 writes) and the indexer keys' scales as UE8M0x4.
 
 Readers are reached through vLLM's own entry points:

@@ -6,10 +6,11 @@ compressor's state ring), then a sliding-window (SWA) only layer after the last
 source, which makes vLLM's decoder replay run the last source and it on each
 long prefill's last window.  Every layer has its own SWA cache, built with
 bounded replay on (vLLM's default), so a prefix hit replays its last window.
-The page records are the SM120 ones: fp8_ds_mla V4 records (584 B, pages
-aligned to 576 B) and 132-B fp8 indexer rows; except that the sliding-window
-caches hold the record the release's layer writes on the GPU's arch
-(:func:`swa_record`: on SM100 the 528-B V4.1 MXFP8 one, pages aligned to 512 B).
+The KV caches (sliding-window and compressed) hold the fp8_ds_mla record the
+release's layer writes on the GPU's arch (:func:`kv_records`): on SM100 the
+V4.1 MXFP8 record (528 B, pages aligned to 512 B, SWA blocks of whole rows of
+both records), elsewhere (SM12x, SM90) the V4 record (584 B, pages aligned to
+576 B); the indexer caches hold 132-B fp8 rows.
 
 Everything below the layers is vLLM's: the cache modules and spec producers
 (``DeepseekV4SWACache``, ``DeepseekV4IndexerCache``, ``CompressorStateCache``,
@@ -41,9 +42,8 @@ from typing import Any
 
 import torch
 
-V4_RECORD = 584  # the compressed caches' record (and the window KV's but on SM100)
-PAGE_ALIGN = 576
-MXFP8_PAGE_ALIGN = 512
+PAGE_ALIGN = 576  # the layer's kv_page_alignment for V4 records (their TMA stride)
+MXFP8_PAGE_ALIGN = 512  # and for V4.1 records
 INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
 STATE_DIM = 1024  # compressor ring row: kv state + score state
 STOCK_SWA_BLOCK = 32  # what DeepseekV4Attention.__init__ passes
@@ -99,27 +99,47 @@ class TinyModel:
 
 
 @dataclass(frozen=True)
-class SwaRecord:
-    """The window-KV record a DeepSeek-V4.1 layer writes on this arch."""
+class KvRecords:
+    """The records a DeepSeek-V4.1 layer's KV caches hold on this arch under
+    fp8_ds_mla (``--kv-cache-dtype fp8``), and their alignments."""
 
-    bytes_per_token: int
-    page_alignment: int
+    swa_bytes_per_token: int
+    compressed_bytes_per_token: int
+    page_alignment: int  # the layer's kv_page_alignment: both caches' pages
+    block_stride_alignment: int | None  # the SWA cache's packed_block_stride_alignment
     mxfp8: bool  # the V4.1 MXFP8 record (else the V4 one)
 
 
-def swa_record() -> SwaRecord:
-    """What ``DeepseekV4Attention.__init__`` gives its SWA cache: the layer's
-    ``kv_mxfp8`` (the release's ``_use_v41_mxfp8_kv_record``: SM100) picks
-    the record its writers name by width (``cache_utils``'s constants) and the
-    page alignment (512 for V4.1 records, 576 for V4's TMA stride;
+def kv_records() -> KvRecords:
+    """What ``DeepseekV4Attention.__init__`` derives for its caches: its
+    ``kv_mxfp8`` (the release's ``_use_v41_mxfp8_kv_record``: SM100) picks the
+    record, named by the width its writers dispatch on (``cache_utils``'s
+    constants); under fp8_ds_mla the compressed cache holds the same record
+    (288-B NVFP4 is nvfp4_ds_mla's); the page alignment is 512 for V4.1
+    records and 576 for V4's; with V4.1 records the SWA cache's blocks hold
+    whole rows of both (the lcm of the two widths) where the release's
+    ``DeepseekV4SWACache`` takes that (0.33.0 on).
     tests/test_selftest_kernel_calls.py evaluates the layer's own statements
-    for both and compares)."""
+    on each arch and compares."""
+    import inspect
+    import math
+
     from vllm.models.deepseek_v41 import attention as v41
     from vllm.models.deepseek_v41.common.ops import cache_utils
 
-    if v41._use_v41_mxfp8_kv_record():
-        return SwaRecord(cache_utils.V41_BYTES_PER_TOKEN, MXFP8_PAGE_ALIGN, True)
-    return SwaRecord(cache_utils.V4_BYTES_PER_TOKEN, PAGE_ALIGN, False)
+    mxfp8 = v41._use_v41_mxfp8_kv_record()
+    swa = cache_utils.V41_BYTES_PER_TOKEN if mxfp8 else cache_utils.V4_BYTES_PER_TOKEN
+    compressed = swa
+    takes_stride = (
+        "packed_block_stride_alignment" in inspect.signature(v41.DeepseekV4SWACache).parameters
+    )
+    return KvRecords(
+        swa_bytes_per_token=swa,
+        compressed_bytes_per_token=compressed,
+        page_alignment=MXFP8_PAGE_ALIGN if mxfp8 else PAGE_ALIGN,
+        block_stride_alignment=math.lcm(swa, compressed) if mxfp8 and takes_stride else None,
+        mxfp8=mxfp8,
+    )
 
 
 @dataclass(frozen=True)
@@ -305,7 +325,7 @@ class Layout:
     kernel_block_sizes: list[int]
     guard_error: str | None  # vLLM's refusal to map a split, if any
     storage: torch.Tensor  # the whole KV allocation, flat uint8
-    swa_record: SwaRecord  # what the sliding-window caches hold
+    kv_records: KvRecords  # what the sliding-window and compressed caches hold
     zeroer: Any = None  # vLLM's KVBlockZeroer over the bound views
 
     def group_block_size(self, gid: int) -> int:
@@ -357,7 +377,7 @@ class Layout:
 
 
 def _new_sm120_attention(
-    prefix: str, layer: int, ratio: int, model: TinyModel, device, record: SwaRecord
+    prefix: str, layer: int, ratio: int, model: TinyModel, device, records: KvRecords
 ):
     """The SM120 FlashInfer attention class, without its ``__init__`` (which
     needs a GPU, tensor-parallel groups and weights): the attributes its spec
@@ -375,8 +395,11 @@ def _new_sm120_attention(
     attn.kv_cache_torch_dtype = torch.uint8
     attn.head_dim = 512
     attn.compress_ratio = ratio
-    attn.kv_page_alignment = PAGE_ALIGN
-    attn.compressed_bytes_per_token = V4_RECORD
+    # What the layer's __init__ sets on this arch (its spec producer reads
+    # the alignment and the compressed record).
+    attn.kv_mxfp8 = records.mxfp8
+    attn.kv_page_alignment = records.page_alignment
+    attn.compressed_bytes_per_token = records.compressed_bytes_per_token
     attn.kv_cache = torch.tensor([])
     attn.scale = attn.head_dim**-0.5
     attn.topk_indices_buffer = torch.full(
@@ -390,15 +413,12 @@ def _new_sm120_attention(
     attn.padded_heads = attn.get_padded_num_q_heads(model.q_heads)
     attn.eps = model.rms_norm_eps
     attn.use_pcp = False
-    attn.kv_mxfp8 = record.mxfp8  # the SM100 record (528 bytes)
     attn.max_num_batched_tokens = model.max_num_batched_tokens
     attn._pads_q_by_copy = False  # only 32 of 64 padded heads pad by copy
     return attn
 
 
-def _make_caches(model: TinyModel, cfg: SimpleNamespace, device, record: SwaRecord):
-    import inspect
-
+def _make_caches(model: TinyModel, cfg: SimpleNamespace, device, records: KvRecords):
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -410,19 +430,17 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device, record: SwaReco
     caches: dict[str, CacheModule] = {}
     readers: dict[int, Any] = {}
     packing: dict[str, Any] = {
-        "packed_bytes_per_token": record.bytes_per_token,
-        "packed_page_alignment": record.page_alignment,
+        "packed_bytes_per_token": records.swa_bytes_per_token,
+        "packed_page_alignment": records.page_alignment,
     }
-    takes = inspect.signature(attention.DeepseekV4SWACache).parameters
-    if record.mxfp8 and "packed_block_stride_alignment" in takes:  # 0.33.0 on
+    if records.block_stride_alignment is not None:  # 0.33.0 on, V4.1 records
         # FlashMLA reads the interleaved V4.1 records as rows of the whole
-        # cache: the layer asks for blocks of whole rows of its SWA record and
-        # its compressed one (lcm of the two), under fp8_ds_mla both V4.1's.
-        packing["packed_block_stride_alignment"] = record.bytes_per_token
+        # cache: the layer asks for blocks of whole rows of both records.
+        packing["packed_block_stride_alignment"] = records.block_stride_alignment
     with set_current_vllm_config(cfg):
         for layer, ratio in enumerate(model.compress_ratios):
             prefix = f"model.layers.{layer}.self_attn"
-            reader = _new_sm120_attention(prefix, layer, ratio, model, device, record)
+            reader = _new_sm120_attention(prefix, layer, ratio, model, device, records)
             readers[layer] = reader
             # Built through the name DeepseekV4Attention.__init__ uses, with the
             # arguments it passes, so a fix that redirects that call takes part.
@@ -539,8 +557,8 @@ def build_layout(
     device = torch.device(device)
     block_size = model.block_size if geometry.via_plugin else upstream_block_size()
     cfg = make_config(model, block_size, kv_connector=geometry.kv_connector)
-    record = swa_record()
-    modules, readers = _make_caches(model, cfg, device, record)
+    records = kv_records()
+    modules, readers = _make_caches(model, cfg, device, records)
 
     # Specs as attn_utils.get_kv_cache_spec builds them.
     specs = {}
@@ -613,7 +631,7 @@ def build_layout(
         kernel_block_sizes=kernel_block_sizes,
         guard_error=guard_error,
         storage=storage,
-        swa_record=record,
+        kv_records=records,
         zeroer=zeroer,
     )
 

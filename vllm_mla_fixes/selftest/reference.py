@@ -21,13 +21,16 @@ installed sources (paths relative to the package; FlashInfer 0.7.0.post1):
   clamped to ``[0, width]``; a candidate past the length or with index ``-1``
   is masked; the two segments share one softmax, and the attention sink adds
   ``exp(sink - max)`` to its denominator.
-* On SM100 the layers write the window KV as DeepSeek's V4.1 MXFP8 record
-  instead (the layer's ``kv_mxfp8``, vLLM ``models/deepseek_v41/attention.py``
-  ``_use_v41_mxfp8_kv_record``; the record in ``common/ops/cache_utils.py``'s
-  header and its Triton twin ``_quantize_and_insert_k_mxfp8_kernel``): per
+* On SM100 the layers write the window KV and the compressed KV as DeepSeek's
+  V4.1 MXFP8 record instead (the layer's ``kv_mxfp8``, vLLM
+  ``models/deepseek_v41/attention.py`` ``_use_v41_mxfp8_kv_record``; the
+  record in ``common/ops/cache_utils.py``'s header, the SWA writer's Triton
+  twin ``_quantize_and_insert_k_mxfp8_kernel`` and the compressor's
+  ``_rope_quant_insert_mxfp8_kernel`` in ``fused_compress_quant_cache.py``,
+  which rotates the RoPE dims in fp32 and quantises them with the rest): per
   token all 512 dims (RoPE included) as fp8 e4m3, each 32 dims divided by
   the power of two ``2 ** ceil(log2(max(amax, 1e-4) / 448))``, and 16 UE8M0
-  bytes (exponent + 127): 528 bytes.  From 0.33.0 each token's scales follow
+  bytes (exponent + 127): 528 bytes.  One reader decodes both caches.  From 0.33.0 each token's scales follow
   its own values (record at ``row * 528``); 0.32.0 puts the values at
   ``row * 512`` and the scales at ``pbs * 512 + row * 16``, after all the
   page's values, as in V4's record (:func:`mxfp8_scales_follow_each_row`
@@ -205,11 +208,18 @@ def dense_compressed_rows(
     rope_cos: torch.Tensor,
     rope_sin: torch.Tensor,
     rounding: Rounding,
+    mxfp8: bool,
 ) -> torch.Tensor:
     """Compressed rows stored by ``rope_quant_insert`` for latents [N, 512]
-    whose RoPE angles (the group's first position) are rope_cos/sin [N, 32]."""
-    nope = quant_dequant_nope(latent_bf16[:, :NOPE].float(), rounding, divide=False)
+    whose RoPE angles (the group's first position) are rope_cos/sin [N, 32].
+    V4 record: NoPE quantised per 64 (the exponent from ``amax * (1 / 448)``),
+    the rotated RoPE dims rounded to bf16; V4.1 MXFP8 record (``mxfp8``): the
+    rotated RoPE dims stay fp32 and all 512 dims are quantised per 32."""
     rot = gptj_rotate(latent_bf16[:, NOPE:].float(), rope_cos, rope_sin)
+    if mxfp8:
+        rows = torch.cat([latent_bf16[:, :NOPE].float(), rot], dim=1)
+        return _quant_dequant_tiles(rows, MX_TILE, rounding, divide=False)
+    nope = quant_dequant_nope(latent_bf16[:, :NOPE].float(), rounding, divide=False)
     return torch.cat([nope, rounding.to_bf16(rot).float()], dim=1)
 
 
