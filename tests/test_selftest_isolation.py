@@ -309,3 +309,24 @@ def test_geometry_timeout_takes_positive_seconds_only(capsys):
 
     assert cli.main(["selftest", "--geometry-timeout", "0"]) == 2
     assert "0 is not a positive, finite number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_the_control_is_left_out_where_the_fix_lays_out_no_split():
+    """On SM100 the release writes the V4.1 MXFP8 KV record, on which the fix
+    lays out its per-ratio geometry: the control (the split without its slot
+    translation) would have nothing to take out and be reported missed, which
+    would fail the self-test on a B200.  It is left out there with a note, and
+    kept on SM12x, where the split is laid out."""
+    import kernel_calls as kc
+
+    everything = ("split", "fallback", "upstream", "control")
+    with kc.pretend_gpu("sm100"):
+        names, notes = plan_geometries(_device("cuda", (10, 0)), everything)
+    assert names == ("split", "fallback")
+    assert notes[0].startswith(
+        "the control is not run on this GPU: vLLM writes the V4.1 MXFP8 KV record here"
+    )
+    with kc.pretend_gpu("sm120"):
+        names, _ = plan_geometries(_device("sm12x", (12, 0)), everything)
+    assert names == ("split", "fallback", "control", "upstream")

@@ -80,6 +80,16 @@ def plan_geometries(
     share a process (a CPU run with one job), a fault in it comes after their rows."""
     notes = []
     names = tuple(g for g in requested if g != "upstream")
+    if "control" in names and device.kind == "cuda" and _writes_mxfp8_records():
+        # The control takes the split's ratio-1 slot translation out; the fix
+        # lays out no split on a V4.1 MXFP8 record, so there is none to take out.
+        names = tuple(g for g in names if g != "control")
+        notes.append(
+            "the control is not run on this GPU: vLLM writes the V4.1 MXFP8 KV record "
+            "here, on which the fix lays out its per-ratio geometry (the interleaved "
+            "split is proven on the V4 record only), so the control has no ratio-1 slot "
+            "translation to take out"
+        )
     if "upstream" in requested:
         if device.kind == "cuda":
             # vLLM lays out upstream's caches for the device it runs on: on an
@@ -92,6 +102,17 @@ def plan_geometries(
         else:
             names += ("upstream",)
     return names, notes
+
+
+def _writes_mxfp8_records() -> bool:
+    """Whether the installed release writes the V4.1 MXFP8 KV record on this
+    GPU (its layer's own ``_use_v41_mxfp8_kv_record``: SM100)."""
+    from .layout import kv_records
+
+    try:
+        return kv_records().mxfp8
+    except ImportError:  # no DeepSeek-V4.1 in this release: nothing runs anyway
+        return False
 
 
 def jobs_problem(device: Device, jobs: int | None) -> str | None:
