@@ -28,9 +28,30 @@ from vllm_mla_fixes.fixes import (
 from vllm_mla_fixes.patching import run_fix
 from vllm_mla_fixes.reproductions import fa4_compile_strides as fa4_repro
 
+FP8_DECISION = """
+import json, sys
+from vllm_mla_fixes.fixes import fp8_ds_mla_reshape
+from vllm_mla_fixes.patching import run_fix
+status = run_fix(fp8_ds_mla_reshape, sys.argv[1]).status
+print("DECIDED=" + json.dumps([status.state.value, status.reason]))
+"""
+
 
 def _decide_fp8(version):
-    return [("any GPU", run_fix(fp8_ds_mla_reshape, version))]
+    """In a fresh interpreter, as a vLLM process decides it: no other test's
+    imports or patches in this worker can reach the probe."""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", FP8_DECISION, version],
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("DECIDED=")), None)
+    assert line is not None, done.stderr[-3000:]
+    state, reason = json.loads(line.removeprefix("DECIDED="))
+    print(f"fp8-ds-mla-reshape on vLLM {version}: {state} ({reason})")
+    return [("any GPU", state)]
 
 
 def _decide_fa4(version, tmp_path):
@@ -89,4 +110,4 @@ def test_every_fix_reaches_the_right_state_on_this_release(tmp_path):
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, f"{version}.json").write_text(json.dumps(table, indent=1))
     wrong = [row for row in table if row["state"] != row["expected"]]
-    assert not wrong, wrong
+    assert not wrong, json.dumps(wrong)
