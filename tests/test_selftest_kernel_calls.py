@@ -251,21 +251,29 @@ def _layer_cache_arguments() -> dict:
     return {**compressed, **arguments}
 
 
+def _same_calls(arch: str, calls: list, prefix: str, writer: str) -> list:
+    """vLLM's recorded calls of the kernels named ``prefix...``, after
+    asserting that vLLM made some and that the self-test made the same ones
+    with the same arguments; ``writer`` names vLLM's side in the messages."""
+    recorded = [c for c in calls if c.kernel.startswith(prefix)]
+    theirs = [c for c in recorded if c.caller == "vllm"]
+    ours = [c for c in recorded if c.caller == "selftest"]
+    assert theirs, f"{writer} wrote nothing on {arch}"
+    assert [c.kernel for c in ours] == [c.kernel for c in theirs], (
+        f"on {arch} the self-test calls {[c.kernel for c in ours]}, "
+        f"{writer} {[c.kernel for c in theirs]}"
+    )
+    problems = [p for want, got in zip(theirs, ours) for p in kc.differences(want, got)]
+    assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
+    return theirs
+
+
 @pytest.mark.vllm_release(*DSV41)
 @pytest.mark.parametrize("arch", list(kc.ARCHS))
 def test_selftest_writes_the_window_kv_through_the_main_forwards_writer(arch):
     calls, layer, caches = _record_writers(arch)
     swa_caches = [cache for cache in caches if cache.kind == "swa"]
-    writes = [c for c in calls if c.kernel.startswith("_C.")]
-    theirs = [c for c in writes if c.caller == "vllm"]
-    ours = [c for c in writes if c.caller == "selftest"]
-    assert theirs, f"vLLM's layer wrote no window KV on {arch}"
-    assert [c.kernel for c in ours] == [c.kernel for c in theirs], (
-        f"on {arch} the self-test writes through {sorted({c.kernel for c in ours})}, "
-        f"vLLM's main forward through {sorted({c.kernel for c in theirs})}"
-    )
-    problems = [p for want, got in zip(theirs, ours) for p in kc.differences(want, got)]
-    assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
+    _same_calls(arch, calls, "_C.", "vLLM's main forward (the window KV)")
     assert swa_caches, "the self-test wrote no window KV"
     for cache in swa_caches:
         module = cache.module
@@ -290,16 +298,7 @@ def test_selftest_writes_the_compressed_kv_as_the_compressor_does(arch):
     strides, constexprs), into caches of the record and page alignment the
     layer's own ``__init__`` statements give the compressed cache on that arch."""
     calls, layer, caches = _record_writers(arch)
-    launches = [c for c in calls if c.kernel.startswith("triton.")]
-    theirs = [c for c in launches if c.caller == "vllm"]
-    ours = [c for c in launches if c.caller == "selftest"]
-    assert theirs, f"vLLM's compressor wrote no compressed KV on {arch}"
-    assert [c.kernel for c in ours] == [c.kernel for c in theirs], (
-        f"on {arch} the self-test launches {[c.kernel for c in ours]}, "
-        f"vLLM's compressor {[c.kernel for c in theirs]}"
-    )
-    problems = [p for want, got in zip(theirs, ours) for p in kc.differences(want, got)]
-    assert not problems, f"on {arch}:\n" + "\n".join(dict.fromkeys(problems))
+    theirs = _same_calls(arch, calls, "triton.", "vLLM's compressor (the compressed KV)")
     width = layer["compressed_bytes_per_token"]
     written = {c.kernel: c.args["cache"].shape[-1] for c in theirs}
     assert set(written.values()) == {width}, (
