@@ -49,6 +49,12 @@ REPORT_LINE = [
 DSPARK = ["--speculative-config", '{"method": "dspark", "num_speculative_tokens": 3}']
 
 
+def _geometry_and_reason(vllm_config) -> tuple[str, str]:
+    """The decision the fix takes for the engine ``vllm_config`` describes."""
+    decision = fix.decide(vllm_config)
+    return decision.geometry, decision.reason
+
+
 def _decision_for(line: list[str]) -> tuple[str, str]:
     """The fix's geometry_decision on the engine config vLLM's parser builds
     from ``line``, once the model's layers have given their specs (where
@@ -62,7 +68,7 @@ def _decision_for(line: list[str]) -> tuple[str, str]:
     settings = prediction.engine_settings(args)
     with repro.applied((12, 0)), repro.sm120_platform():
         plan = repro.plan_geometry(block_size, settings=settings)
-        return fix.geometry_decision(plan.vllm_config)
+        return _geometry_and_reason(plan.vllm_config)
 
 
 def test_kv_offloading_backend_alone_enables_nothing_in_vllm():

@@ -138,9 +138,10 @@ def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
     candidate = _fix_decision(engine, vllm_config, geometry, why, unit, layout)
     evidence = candidate.evidence + ((layout_problem,) if layout_problem else ())
     if engine.forced_geometry is Geometry.SPLIT or layout is None or not layout.works:
+        reason = candidate.reason
         if layout is not None and layout.works is None:
-            why = f"upstream's layout could not be judged ({'; '.join(layout.unknown)}); {why}"
-        return dataclasses.replace(candidate, reason=why, evidence=evidence)
+            reason = f"upstream's layout could not be judged ({'; '.join(layout.unknown)}); {reason}"
+        return dataclasses.replace(candidate, reason=reason, evidence=evidence)
     return _gain_rule(engine, vllm_config, candidate, layout, evidence)
 
 
@@ -218,7 +219,7 @@ def _fix_decision(
     if engine.model is not None and engine.max_model_len is not None:
         tokens = _fix_tokens(engine, vllm_config, geometry, unit, rows)
     if engine.model is not None and engine.model.drafter_layers:
-        why += f"; drafter sliding-window pages hold {rows} rows ({rows_why})"
+        why += f"; drafter sliding-window pages hold {rows} tokens ({rows_why})"
     return Decision(
         geometry=geometry,
         reason=why,
