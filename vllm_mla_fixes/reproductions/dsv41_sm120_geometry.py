@@ -26,7 +26,7 @@ import ast
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -155,7 +155,12 @@ def attach_model(
     object.__setattr__(vllm_config, "model_config", stand_in)
 
 
-def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ()) -> dict[str, Any]:
+def build_layers(
+    vllm_config,
+    model: dict,
+    drafter_ratios: tuple[int, ...] = (),
+    only: Iterable[int] | None = None,
+) -> dict[str, Any]:
     """Register the model's KV-cache layers in ``vllm_config``'s static forward
     context, as ``DeepseekV41ForCausalLM`` does on SM120; returns the attention layers.
 
@@ -179,7 +184,7 @@ def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ())
     backbone = model["num_hidden_layers"]
     attach_model(vllm_config, model, drafter_ratios)
     with set_current_vllm_config(vllm_config):
-        for layer_id in range(backbone + len(drafter_ratios)):
+        for layer_id in range(backbone + len(drafter_ratios)) if only is None else only:
             prefix = attention_prefix(layer_id)
             drafter = layer_id >= backbone
             attn = SM120Attention.__new__(SM120Attention)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm_mla_fixes import patching
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import Decision
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     ATTENTION_MODULE,
@@ -195,25 +196,63 @@ def specs_geometry(specs: dict[str, Any]) -> str | None:
     return f"vLLM's own (block sizes {sizes}: the fix is not applied there)"
 
 
-def check_workers_agree(kv_cache_specs: list[dict[str, Any]]) -> None:
-    """Raise :class:`PageGeometryError` when the workers' specs show different
-    DeepSeek-V4.1 geometries, naming each with its workers."""
-    by_geometry: dict[str, list[int]] = {}
+def expected_block(decision: Decision, tokens_per_state: int) -> int | None:
+    """The block size a compressed-KV or indexer-K spec has under ``decision``
+    (None where upstream's layout could not be read)."""
+    if decision.geometry is Geometry.SPLIT:
+        return SPLIT_MANAGER_BLOCK
+    if decision.geometry is Geometry.PER_RATIO:
+        return PAGE_ROWS * tokens_per_state
+    return None if decision.upstream is None else decision.upstream.block_size
+
+
+def _laid_out_otherwise(decision: Decision, specs: dict[str, Any]) -> list[str]:
+    """The compressed-KV and indexer-K specs of one worker that ``decision``
+    does not lay out so, each named with what it has and should have."""
+    wrong = []
+    for name, spec in specs.items():
+        if getattr(spec, "model_version", None) != "deepseek_v4":
+            continue
+        if getattr(spec, "sliding_window", None) is not None:
+            continue  # the sliding-window cache's rows are the layer's own
+        states = getattr(spec, "tokens_per_state", None)
+        if not isinstance(states, int):
+            continue
+        block = expected_block(decision, states)
+        if block is not None and spec.block_size != block:
+            wrong.append(f"{name}: {spec.block_size}-token blocks, not {block}")
+        elif (
+            decision.geometry is Geometry.SPLIT
+            and states == 1
+            and not (
+                isinstance(spec.block_stride_alignment, int)
+                and spec.block_stride_alignment % decision.unit == 0
+            )
+        ):
+            wrong.append(f"{name}: no block stride of whole {decision.unit}-B interleave units")
+    return wrong
+
+
+def check_workers_agree(vllm_config: Any, kv_cache_specs: list[dict[str, Any]]) -> None:
+    """Raise :class:`PageGeometryError` unless every worker's specs lay out
+    the engine's decision -- the same pure function of the same engine
+    config as each worker's -- naming each worker that does not and what its
+    specs show.  Pipeline ranks hold different layers; each is held to the
+    one decision, never to another rank."""
+    decision = STATE.decision_for(vllm_config)
+    found = []
     for worker, specs in enumerate(kv_cache_specs):
-        geometry = specs_geometry(specs)
-        if geometry is not None:
-            by_geometry.setdefault(geometry, []).append(worker)
-    if len(by_geometry) < 2:
+        wrong = _laid_out_otherwise(decision, specs)
+        if wrong:
+            shown = specs_geometry(specs)
+            found.append(f"worker {worker} shows {shown} ({'; '.join(wrong[:3])})")
+    if not found:
         return
-    found = "; ".join(
-        f"worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}: {geometry}"
-        for geometry, workers in by_geometry.items()
-    )
     raise PageGeometryError(
-        f"vllm-mla-fixes ({INFO.name}): the workers chose different DeepSeek-V4.1 KV-cache "
-        f"geometries ({found}), so no one layout fits them all.  The decision is the same "
-        "function of the engine config and the installed kernels on every worker, so the "
-        "workers differ in what they read: set VLLM_MLA_FIXES and "
+        f"vllm-mla-fixes ({INFO.name}): the engine's DeepSeek-V4.1 KV geometry is "
+        f"{decision.geometry.value}, but {'; '.join(found)}, so no one layout fits them all.  "
+        "The decision is the same function of the engine config and the installed kernels "
+        "in every process, so those workers read something else: set VLLM_MLA_FIXES and "
         f"{GEOMETRY_ENV} alike on every node, and install the same vllm-mla-fixes, vLLM, "
         "FlashInfer and DeepGEMM builds in every node's environment (with Ray, see the "
         "README: 'Ray workers'); each worker logs the geometry it chose and why "
@@ -241,7 +280,7 @@ def with_workers_agreeing(original: Callable[..., Any]) -> Callable[..., Any]:
     def merge_worker_specs(
         vllm_config: Any, kv_cache_specs: list[dict[str, Any]], *args: Any, **kwargs: Any
     ) -> Any:
-        check_workers_agree(kv_cache_specs)
+        check_workers_agree(vllm_config, kv_cache_specs)
         return original(vllm_config, kv_cache_specs, *args, **kwargs)
 
     return merge_worker_specs

@@ -20,6 +20,7 @@ from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import Geometry
 
 DSPARK = "dspark"
+SM12X_MAJOR = 12  # SM120 (RTX PRO 6000) and SM121 (GB10)
 DEFAULT_DSPARK_LAYERS = 3
 """DSpark's drafter layer count where its config names none (vLLM's own default)."""
 
@@ -200,19 +201,35 @@ def _layout_of(vllm_config: Any) -> tuple[ModelLayout | None, str]:
 
 def _platform() -> tuple[tuple[int, int] | None, bool]:
     """(device capability, whether DeepSeek-V4.1 uses its MXFP8 KV record
-    there), by vLLM's own platform and its own record rule."""
-    from vllm.models.deepseek_v41 import attention
-    from vllm.platforms import current_platform
+    there), by vLLM's own platform and its own record rule; (None, False)
+    where vLLM cannot say."""
+    try:
+        from vllm.models.deepseek_v41 import attention
+        from vllm.platforms import current_platform
 
-    found = current_platform.get_device_capability()
-    capability = None if found is None else (int(found.major), int(found.minor))
-    return capability, bool(attention._use_v41_mxfp8_kv_record())
+        found = current_platform.get_device_capability()
+        mxfp8 = bool(attention._use_v41_mxfp8_kv_record())
+    except Exception:  # noqa: BLE001 - no platform to ask: unknown device, V4 record
+        return None, False
+    return (None if found is None else (int(found.major), int(found.minor))), mxfp8
+
+
+def on_sm12x() -> bool:
+    """Whether this process's device is SM12x; a process with no device
+    visible (``doctor``, CPU tests) decides as for one."""
+    capability, _ = _platform()
+    return capability is None or capability[0] == SM12X_MAJOR
 
 
 def _indexer_fp4(vllm_config: Any) -> bool:
-    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+    """Whether the indexer cache holds MXFP4 rows, by vLLM's own rule (False
+    where the config cannot say)."""
+    try:
+        from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
 
-    return bool(dsa_indexer_uses_fp4(vllm_config))
+        return bool(dsa_indexer_uses_fp4(vllm_config))
+    except Exception:  # noqa: BLE001 - a config vLLM cannot read: the fp8 indexer row
+        return False
 
 
 def _speculative_tokens(vllm_config: Any) -> int:
