@@ -140,6 +140,8 @@ def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
     geometry, why, unit = _candidate(engine, vllm_config)
     candidate = _fix_decision(engine, vllm_config, geometry, why, unit, layout)
     evidence = candidate.evidence + ((layout_problem,) if layout_problem else ())
+    if layout is not None:
+        evidence += tuple(f"kernel declaration not read: {text}" for text in layout.unknown)
     if engine.forced_geometry is Geometry.SPLIT or layout is None or not layout.works:
         reason = candidate.reason
         if layout is not None and layout.works is None:
@@ -192,7 +194,12 @@ def _gain_rule(
         f"not-needed: upstream's --block-size {layout.block_size} layout is within the "
         "installed kernels' envelopes"
     )
-    upstream_tokens = _planned_or_none(engine, vllm_config, layout.block_size, {})
+    upstream_tokens = None
+    if engine.model is not None and engine.max_model_len is not None:
+        try:
+            upstream_tokens = _upstream_tokens(engine, vllm_config, layout.block_size)
+        except Exception as exc:  # noqa: BLE001 - upstream's working layout is kept, and why
+            evidence += (_failed(f"upstream's --block-size {layout.block_size} layout", exc),)
     stepped_aside = dataclasses.replace(
         candidate,
         geometry=Geometry.UPSTREAM,
@@ -204,8 +211,14 @@ def _gain_rule(
         evidence=evidence,
     )
     if candidate.fix_tokens is None or upstream_tokens is None:
-        missing = engine.model_problem or "no max-model-len to plan the layouts at"
-        return dataclasses.replace(stepped_aside, reason=f"{aside}; not planned: {missing}")
+        missing = engine.model_problem or (
+            "no max-model-len to plan the layouts at"
+            if engine.max_model_len is None
+            else "planning failed (see the evidence)"
+        )
+        return dataclasses.replace(
+            stepped_aside, reason=f"{aside}; not planned: {missing}", evidence=evidence
+        )
     ratio = candidate.fix_tokens / upstream_tokens
     figures = (
         f"planned on the model's layers at max_model_len {engine.max_model_len}: the fix's "
@@ -236,8 +249,12 @@ def _fix_decision(
     capacity planned where the model's topology is known."""
     rows, rows_why = _drafter_rows(engine, vllm_config, geometry, unit)
     tokens = None
+    evidence: tuple[str, ...] = () if engine.model is not None else (engine.model_problem,)
     if engine.model is not None and engine.max_model_len is not None:
-        tokens = _fix_tokens(engine, vllm_config, geometry, unit, rows)
+        try:
+            tokens = _fix_tokens(engine, vllm_config, geometry, unit, rows)
+        except Exception as exc:  # noqa: BLE001 - named as evidence; the layout stands
+            evidence += (_failed(f"the fix's {geometry.value} layout", exc),)
     if engine.model is not None and engine.model.drafter_layers:
         why += f"; drafter sliding-window pages hold {rows} tokens ({rows_why})"
     return Decision(
@@ -251,7 +268,7 @@ def _fix_decision(
         max_model_len=engine.max_model_len,
         fix_tokens=tokens,
         upstream_tokens=None,
-        evidence=() if engine.model is not None else (engine.model_problem,),
+        evidence=evidence,
     )
 
 
@@ -417,10 +434,13 @@ def _drafter_rows(
         return DRAFTER_SWA_ROWS, f"{_drafter_env()}={DRAFTER_SWA_ROWS}"
     if engine.max_model_len is None:
         return PAGE_ROWS, "no max-model-len to plan the drafter's pages at"
-    tokens = {
-        rows: _fix_tokens(engine, vllm_config, geometry, unit, rows)
-        for rows in (DRAFTER_SWA_ROWS, PAGE_ROWS)
-    }
+    try:
+        tokens = {
+            rows: _fix_tokens(engine, vllm_config, geometry, unit, rows)
+            for rows in (DRAFTER_SWA_ROWS, PAGE_ROWS)
+        }
+    except Exception as exc:  # noqa: BLE001 - keep the kernel page rows, say why
+        return PAGE_ROWS, f"{_failed('the drafter pages both ways', exc)}; kept at {PAGE_ROWS}"
     chosen = max(tokens, key=lambda r: (tokens[r], r == PAGE_ROWS))  # a tie keeps 64
     layers = engine.model.drafter_layers
     return chosen, (
@@ -463,23 +483,18 @@ def fix_specs(
 
 def _fix_tokens(
     engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int, drafter_rows: int
-) -> int | None:
+) -> int:
     assert engine.max_model_len is not None
-    try:
-        specs = fix_specs(engine, vllm_config, geometry, unit, drafter_rows)
-        return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
-    except Exception:  # noqa: BLE001 - an unplannable layout is reported as not planned
-        return None
+    specs = fix_specs(engine, vllm_config, geometry, unit, drafter_rows)
+    return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
 
 
-def _planned_or_none(
-    engine: EngineConfig, vllm_config: Any, block_size: int, swa_rows: dict[int, int]
-) -> int | None:
-    """Upstream's tokens per GiB at ``block_size`` (None: not plannable here)."""
-    if engine.model is None or engine.max_model_len is None:
-        return None
-    try:
-        specs = model_specs.model_specs(vllm_config, engine, block_size, swa_rows)
-        return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
-    except Exception:  # noqa: BLE001 - the caller keeps upstream's working layout and says so
-        return None
+def _upstream_tokens(engine: EngineConfig, vllm_config: Any, block_size: int) -> int:
+    """Upstream's KV tokens per GiB at ``block_size``, its sliding-window 32 rows."""
+    assert engine.max_model_len is not None
+    specs = model_specs.model_specs(vllm_config, engine, block_size, {})
+    return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
+
+
+def _failed(what: str, exc: Exception) -> str:
+    return f"planning {what} with vLLM's planner failed: {type(exc).__name__}: {exc}"
