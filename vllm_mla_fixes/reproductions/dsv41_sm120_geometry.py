@@ -140,12 +140,10 @@ def attach_model(
     subprocess, so this is a namespace holding what is read of it."""
     if vllm_config.model_config is not None:
         return
-    text = SimpleNamespace(
-        **{**model, "qk_rope_head_dim": model.get("qk_rope_head_dim", 64)},
-        index_topk=model.get("index_topk", 512),
-    )
+    text = SimpleNamespace(**{"qk_rope_head_dim": 64, "index_topk": 512, **model})
     text.compress_ratios = [*model["compress_ratios"], *drafter_ratios]
-    text.n_mtp_layers = len(drafter_ratios) or None
+    if drafter_ratios:
+        text.n_mtp_layers = len(drafter_ratios)
     stand_in = SimpleNamespace(
         hf_config=text,
         hf_text_config=text,

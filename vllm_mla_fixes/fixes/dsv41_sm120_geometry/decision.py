@@ -146,7 +146,15 @@ def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
         reason = candidate.reason
         if layout is not None and layout.works is None:
             reason = f"upstream's layout could not be judged ({'; '.join(layout.unknown)}); {reason}"
-        return dataclasses.replace(candidate, reason=reason, evidence=evidence)
+        planned = None
+        if layout is not None and layout.starts and candidate.fix_tokens is not None:
+            try:  # what upstream's own layout would hold, for the figures
+                planned = upstream_tokens(engine, vllm_config, layout.block_size)
+            except Exception as exc:  # noqa: BLE001 - figures only
+                evidence += (_failed(f"upstream's --block-size {layout.block_size} layout", exc),)
+        return dataclasses.replace(
+            candidate, reason=reason, evidence=evidence, upstream_tokens=planned
+        )
     return _gain_rule(engine, vllm_config, candidate, layout, evidence)
 
 
@@ -194,10 +202,10 @@ def _gain_rule(
         f"not-needed: upstream's --block-size {layout.block_size} layout is within the "
         "installed kernels' envelopes"
     )
-    upstream_tokens = None
+    planned = None
     if engine.model is not None and engine.max_model_len is not None:
         try:
-            upstream_tokens = _upstream_tokens(engine, vllm_config, layout.block_size)
+            planned = upstream_tokens(engine, vllm_config, layout.block_size)
         except Exception as exc:  # noqa: BLE001 - upstream's working layout is kept, and why
             evidence += (_failed(f"upstream's --block-size {layout.block_size} layout", exc),)
     stepped_aside = dataclasses.replace(
@@ -207,10 +215,10 @@ def _gain_rule(
         backbone_swa_rows=UPSTREAM_SWA_BLOCK,
         drafter_swa_rows=UPSTREAM_SWA_BLOCK,
         drafter_rows_why="upstream's own sliding-window pages",
-        upstream_tokens=upstream_tokens,
+        upstream_tokens=planned,
         evidence=evidence,
     )
-    if candidate.fix_tokens is None or upstream_tokens is None:
+    if candidate.fix_tokens is None or planned is None:
         missing = engine.model_problem or (
             "no max-model-len to plan the layouts at"
             if engine.max_model_len is None
@@ -219,11 +227,11 @@ def _gain_rule(
         return dataclasses.replace(
             stepped_aside, reason=f"{aside}; not planned: {missing}", evidence=evidence
         )
-    ratio = candidate.fix_tokens / upstream_tokens
+    ratio = candidate.fix_tokens / planned
     figures = (
         f"planned on the model's layers at max_model_len {engine.max_model_len}: the fix's "
         f"{candidate.geometry.value} layout holds {candidate.fix_tokens:,} KV tokens per GiB, "
-        f"upstream's {upstream_tokens:,} ({ratio:.3f}x, "
+        f"upstream's {planned:,} ({ratio:.3f}x, "
         f"{'at least' if ratio >= GAIN_TO_APPLY else 'under'} the {GAIN_TO_APPLY:.2f}x that "
         "a layout nobody has run on hardware must gain)"
     )
@@ -232,7 +240,7 @@ def _gain_rule(
     return dataclasses.replace(
         candidate,
         reason=f"{figures}; {candidate.reason}",
-        upstream_tokens=upstream_tokens,
+        upstream_tokens=planned,
         evidence=evidence,
     )
 
@@ -489,7 +497,7 @@ def _fix_tokens(
     return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
 
 
-def _upstream_tokens(engine: EngineConfig, vllm_config: Any, block_size: int) -> int:
+def upstream_tokens(engine: EngineConfig, vllm_config: Any, block_size: int) -> int:
     """Upstream's KV tokens per GiB at ``block_size``, its sliding-window 32 rows."""
     assert engine.max_model_len is not None
     specs = model_specs.model_specs(vllm_config, engine, block_size, {})

@@ -214,6 +214,26 @@ def _platform() -> tuple[tuple[int, int] | None, bool]:
     return (None if found is None else (int(found.major), int(found.minor))), mxfp8
 
 
+def _kv_record(cache_dtype: str) -> str:
+    """The KV record ``--kv-cache-dtype`` resolves to for DeepSeek-V4.1 on
+    SM12x, by vLLM's own resolution (which an engine's first attention layer
+    writes back onto its cache config: ``fp8`` becomes ``fp8_ds_mla``), so a
+    config before and after that write is one engine."""
+    try:
+        import importlib
+
+        attention = importlib.import_module("vllm.models.deepseek_v41.attention")
+        sm12x = importlib.import_module("vllm.models.deepseek_v41.nvidia.flashinfer_sparse")
+        cls = sm12x.DeepseekV4FlashInferSM120Attention
+        blank = object.__new__(cls)  # for the class's own properties; no __init__ runs
+        resolved, _ = attention._resolve_dsv4_kv_cache_dtype(
+            cls.use_fp8_ds_mla_layout, cache_dtype, None, blank.packed_kv_cache_dtype
+        )
+    except Exception:  # noqa: BLE001 - a dtype vLLM refuses stays as written
+        return cache_dtype
+    return str(resolved)
+
+
 def on_sm12x() -> bool:
     """Whether this process's device is SM12x; a process with no device
     visible (``doctor``, CPU tests) decides as for one."""
@@ -257,7 +277,7 @@ def engine_config(vllm_config: Any) -> EngineConfig:
         model=model,
         model_problem=problem,
         block_size=block_size if given and isinstance(block_size, int) else None,
-        cache_dtype=str(getattr(cache, "cache_dtype", "auto")),
+        cache_dtype=_kv_record(str(getattr(cache, "cache_dtype", "auto"))),
         max_model_len=max_model_len if isinstance(max_model_len, int) else None,
         speculative_method=speculative_method(vllm_config),
         speculative_tokens=_speculative_tokens(vllm_config),

@@ -129,6 +129,7 @@ def _descriptions(
     attention = _import(ATTENTION_MODULE)
     compressor = _import(COMPRESSOR_MODULE)
     swa = _import(SWA_MODULE)
+    cache_config = copy.copy(cache_config)  # vLLM's resolution writes the record back
     found = records(engine, cache_config)
     cls = getattr(_import(FLASHINFER_MODULE), SM12X_ATTENTION)
     indexer_row = attention._indexer_k_cache_head_dim(model.index_head_dim, engine.indexer_fp4)
@@ -219,6 +220,9 @@ def model_specs(
     from vLLM's own spec producers; also the backends, for layout resolution."""
     assert engine.model is not None, "callers check the layout first"
     config = with_block_size(vllm_config, block_size)
+    # vLLM's resolution writes the KV record back onto the cache config as the
+    # first attention layer is built; the specs are what they are after that
+    records(engine, config.cache_config)
     described = _descriptions(engine, engine.model, config.cache_config, swa_rows)
     return {name: _unwrapped(cls)(desc, config) for name, (cls, desc) in described.items()}
 
