@@ -220,9 +220,10 @@ def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block
     assert predicted.model_figures == "from config.json"
     assert predicted.decision == decision
     assert predicted.report() == fix.engine_report(engine_config, decision)
-    assert decision.fix_tokens is not None and decision.max_model_len == model[
-        "max_position_embeddings"
-    ]
+    assert (
+        decision.fix_tokens is not None
+        and decision.max_model_len == model["max_position_embeddings"]
+    )
     if dspark:
         layers = model.get("n_mtp_layers", 3)
         assert predicted.engine.model.drafter_layers == layers
@@ -234,9 +235,9 @@ def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch)
     ``dsv41`` object ``status --json`` prints in the engine's process on
     that config (here: the engine's layers built in this process, then the
     status command's own JSON)."""
-    import io
     import contextlib
     import functools
+    import io
 
     import vllm.plugins
 

@@ -250,14 +250,20 @@ def _patched_identities() -> dict[tuple[str, str], int]:
         (fix.ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec"),
         (fix.ATTENTION_MODULE, "DeepseekV4IndexerCache.get_kv_cache_spec"),
         (fix.ATTENTION_MODULE, "DeepseekV4SWACache"),
-        (fix.FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes"),
+        (
+            fix.FLASHINFER_MODULE,
+            "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes",
+        ),
         (fix.INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"),
         (fix.WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"),
         (fix.WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
         (fix.WORKER_UTILS_MODULE, "copy_kv_cache_blocks_inplace"),
         (fix.WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
         (fix.WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"),
-        ("vllm.v1.attention.backends.mla.compressor_utils", "CompressedSlotMappingKernel.get_warmup_keys"),
+        (
+            "vllm.v1.attention.backends.mla.compressor_utils",
+            "CompressedSlotMappingKernel.get_warmup_keys",
+        ),
     }
     found = {}
     for module_name, qualname in targets:
@@ -265,7 +271,9 @@ def _patched_identities() -> dict[tuple[str, str], int]:
         *path, name = qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
-        found[module_name, qualname] = id(owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+        found[module_name, qualname] = id(
+            owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        )
     return found
 
 

@@ -113,7 +113,7 @@ def _status_of(name: str) -> FixStatus:
     in_process = getattr(FIXES_BY_NAME[name], "status_in_process", None)
     if result.status.state is State.APPLIED and in_process is not None:
         # A fix whose choice is made per engine after register() says what it chose.
-        return in_process(result.status)  # type: ignore[no-any-return]
+        return in_process(result.status)
     return result.status
 
 

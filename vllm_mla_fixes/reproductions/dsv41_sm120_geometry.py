@@ -26,7 +26,7 @@ import ast
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any

@@ -434,7 +434,9 @@ def for_status(compute: bool) -> dict[str, Any]:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(cache, printed)
     except OSError as exc:  # the table stands without its cache
-        logging.getLogger("vllm.mla_fixes").debug("truth-table cache %s not written: %s", cache, exc)
+        logging.getLogger("vllm.mla_fixes").debug(
+            "truth-table cache %s not written: %s", cache, exc
+        )
         return {"cells": json.loads(printed), "source": "derived now (not kept: the cache failed)"}
     return {"cells": json.loads(printed), "source": str(cache)}
 

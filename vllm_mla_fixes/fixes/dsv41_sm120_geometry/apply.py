@@ -4,9 +4,9 @@ and :func:`for_capability`, the fix as seen from a given device."""
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
     SPEC_MERGE_SITES,
@@ -53,7 +53,7 @@ def apply(patch: Patch) -> None:
             module, "DeepseekV4SWACache", swa_cache_with_decided_rows(module.DeepseekV4SWACache)
         )
 
-    def declare_kernel_blocks_per_spec(backend: type) -> None:
+    def declare_kernel_blocks_per_spec(backend: Any) -> None:
         STATE.backends += (backend,)
         patch.replace(
             backend,
@@ -123,12 +123,12 @@ def apply(patch: Patch) -> None:
     patch.when_imported(WORKER_UTILS_MODULE, on_worker_utils)
 
 
-def for_capability(capability: tuple[int, int]) -> types.SimpleNamespace:
-    """This fix as a module-like object whose probe sees ``capability`` -- for
+def for_capability(capability: tuple[int, int]) -> ModuleType:
+    """This fix as a module whose probe sees ``capability`` -- for
     :func:`vllm_mla_fixes.patching.run_fix` in tests and ``verify`` on CPU."""
-    return types.SimpleNamespace(
-        INFO=INFO,
-        probe=functools.partial(probe, capability),
-        apply=apply,
-        status_in_process=status_in_process,
-    )
+    module = ModuleType(f"{__package__}.as_sm{capability[0]}{capability[1]}")
+    module.INFO = INFO  # type: ignore[attr-defined]
+    module.probe = functools.partial(probe, capability)  # type: ignore[attr-defined]
+    module.apply = apply  # type: ignore[attr-defined]
+    module.status_in_process = status_in_process  # type: ignore[attr-defined]
+    return module

@@ -70,7 +70,11 @@ def bound_pages(forward_context: dict[str, Any]) -> list[CachePage]:
         elif isinstance(layer, attention.DeepseekV4IndexerCache) and layer.kv_cache.numel():
             pages.append(
                 CachePage(
-                    name, CacheKind.INDEXER, layer.compress_ratio, int(layer.kv_cache.shape[-2]), layer
+                    name,
+                    CacheKind.INDEXER,
+                    layer.compress_ratio,
+                    int(layer.kv_cache.shape[-2]),
+                    layer,
                 )
             )
     return pages

@@ -145,7 +145,9 @@ def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
     if engine.forced_geometry is Geometry.SPLIT or layout is None or not layout.works:
         reason = candidate.reason
         if layout is not None and layout.works is None:
-            reason = f"upstream's layout could not be judged ({'; '.join(layout.unknown)}); {reason}"
+            reason = (
+                f"upstream's layout could not be judged ({'; '.join(layout.unknown)}); {reason}"
+            )
         planned = None
         if layout is not None and layout.starts and candidate.fix_tokens is not None:
             try:  # what upstream's own layout would hold, for the figures
@@ -378,13 +380,16 @@ def _pair_unit(engine: EngineConfig, vllm_config: Any) -> tuple[int, str | None]
     from the specs of the model's ratio-1 compressed and indexer caches."""
     assert engine.model is not None
     specs = model_specs.model_specs(vllm_config, engine, SPLIT_MANAGER_BLOCK, {})
-    pair = {
+    pair: dict[CacheKind, Any] = {
         cache.kind: specs[cache.name]
         for cache in model_specs.caches(engine.model)
         if cache.compress_ratio == 1 and cache.kind in (CacheKind.COMPRESSED, CacheKind.INDEXER)
     }
     pages = 0
-    for kind, expected in ((CacheKind.COMPRESSED, V4_RECORD_BYTES), (CacheKind.INDEXER, FP8_INDEXER_ROW)):
+    for kind, expected in (
+        (CacheKind.COMPRESSED, V4_RECORD_BYTES),
+        (CacheKind.INDEXER, FP8_INDEXER_ROW),
+    ):
         spec = pair[kind]
         record = getattr(spec, "state_content_bytes", None) or spec.head_size
         if record != expected:
@@ -477,7 +482,9 @@ def fix_specs(
     assert engine.model is not None
     model = engine.model
     swa = {n: drafter_rows if model.is_drafter(n) else PAGE_ROWS for n in model.layers}
-    specs = model_specs.model_specs(vllm_config, engine, engine.block_size or SPLIT_MANAGER_BLOCK, swa)
+    specs = model_specs.model_specs(
+        vllm_config, engine, engine.block_size or SPLIT_MANAGER_BLOCK, swa
+    )
     owned = {
         cache.name
         for cache in model_specs.caches(model)

@@ -219,8 +219,7 @@ def predicted_geometry(serve: Any, fixed: bool = True) -> list[Any]:
             Finding(
                 "warn",
                 INFO.name,
-                f"could not predict this line's KV geometry on SM12x ({type(exc).__name__}: "
-                f"{exc})",
+                f"could not predict this line's KV geometry on SM12x ({type(exc).__name__}: {exc})",
             )
         ]
     return prediction_findings(prediction, fixed)
@@ -385,7 +384,9 @@ def _shape_findings(prediction: Any) -> list[Any]:
     tp = prediction.settings.tensor_parallel_size
     if prediction.shape_problem:
         return [
-            Finding("warn", name, f"per-rank FlashInfer shape not checked: {prediction.shape_problem}")
+            Finding(
+                "warn", name, f"per-rank FlashInfer shape not checked: {prediction.shape_problem}"
+            )
         ]
 
     def described(shape: Any) -> str:

@@ -287,9 +287,7 @@ def engine_config(vllm_config: Any) -> EngineConfig:
         hisparse=getattr(attention, "hisparse_config", None) is not None,
         indexer_sparse_logits=bool(getattr(attention, "indexer_sparse_logits", False)),
         indexer_fp4=_indexer_fp4(vllm_config),
-        hybrid_manager_disabled=bool(
-            getattr(scheduler, "disable_hybrid_kv_cache_manager", False)
-        ),
+        hybrid_manager_disabled=bool(getattr(scheduler, "disable_hybrid_kv_cache_manager", False)),
         capability=capability,
         mxfp8_record=mxfp8,
         forced_geometry=None if forced is None else Geometry(forced),

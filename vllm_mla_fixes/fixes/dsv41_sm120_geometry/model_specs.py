@@ -87,7 +87,7 @@ def _unwrapped(cls: type) -> Callable[..., Any]:
     function = cls.__dict__["get_kv_cache_spec"]
     while hasattr(function, "__wrapped__"):
         function = function.__wrapped__
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +243,7 @@ def mismatch(
         return None
     block_size = vllm_config.cache_config.block_size
     described = model_specs(vllm_config, engine, block_size, {})
-    name = next(
-        (c.name for c in caches(engine.model) if c.layer == layer and c.kind is kind), None
-    )
+    name = next((c.name for c in caches(engine.model) if c.layer == layer and c.kind is kind), None)
     expected = None if name is None else described[name]
     if expected == spec:
         return None

@@ -153,7 +153,9 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
     text, figures = model_text(model_config)
     length = args.max_model_len or text.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
     with repro.sm120_platform():
-        block_size = args.block_size or upstream.picked_block_size(upstream.declared_kernel_blocks())
+        block_size = args.block_size or upstream.picked_block_size(
+            upstream.declared_kernel_blocks()
+        )
         config = repro.make_vllm_config(block_size, None, settings)
         config.cache_config.user_specified_block_size = args.block_size is not None
         repro.attach_model(config, text, (), int(length))
@@ -168,7 +170,10 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
         problem = f"{heads} attention heads do not split over TP {tp}"
     else:
         shapes, problem = flashinfer_shapes(
-            heads // tp, int(text["sliding_window"]), int(text.get("index_topk", FLASH_INDEX_TOPK)), decision
+            heads // tp,
+            int(text["sliding_window"]),
+            int(text.get("index_topk", FLASH_INDEX_TOPK)),
+            decision,
         )
     return Prediction(
         vllm=str(vllm.__version__),
@@ -181,9 +186,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
             kv_offloading_backend=args.kv_offloading_backend
             if any(a.split("=")[0] == "--kv-offloading-backend" for a in serve_argv)
             else None,
-            kv_connector=engine.kv_connector
-            if config.kv_transfer_config is not None
-            else None,
+            kv_connector=engine.kv_connector if config.kv_transfer_config is not None else None,
         ),
         engine=engine,
         decision=decision,
@@ -240,7 +243,12 @@ def flashinfer_shapes(
     ]
     if not stepped_aside and decision.drafter_swa_rows != decision.backbone_swa_rows:
         calls.append(
-            (window, decision.drafter_swa_rows, "a drafter's sliding-window pages, the primary", False)
+            (
+                window,
+                decision.drafter_swa_rows,
+                "a drafter's sliding-window pages, the primary",
+                False,
+            )
         )
     shapes = []
     for topk, page, role, extra in calls:

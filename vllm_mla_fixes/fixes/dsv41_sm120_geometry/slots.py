@@ -10,11 +10,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import interleaved_placement
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     INFO,
     PageGeometryError,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import interleaved_placement
 
 _SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 

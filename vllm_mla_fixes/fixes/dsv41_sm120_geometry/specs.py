@@ -16,7 +16,6 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import model_specs
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import engine_config, on_sm12x
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
-    INFO,
     PAGE_ROWS,
     SPLIT_MANAGER_BLOCK,
     UPSTREAM_SWA_BLOCK,

@@ -10,13 +10,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
-    FLASHINFER_BACKEND,
-    GEOMETRY_ENV,
-    INFO,
-    PAGE_ROWS,
-    PageGeometryError,
-)
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import (
     STATE,
     InterleavedPlacement,
@@ -24,6 +17,13 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import (
     interleaved_placement,
     is_split_ratio1,
     view_key,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
+    FLASHINFER_BACKEND,
+    GEOMETRY_ENV,
+    INFO,
+    PAGE_ROWS,
+    PageGeometryError,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import slot_buffers
 
