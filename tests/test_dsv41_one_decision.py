@@ -293,28 +293,3 @@ def _geometry_bound(block_size: int):
     repro.create_metadata_builders(geometry)
     return geometry
 
-
-# -------------------------------------------------------------- multi-node
-
-
-def test_every_setting_reaches_ray_workers_on_other_nodes(monkeypatch):
-    """With Ray, vLLM copies the driver's environment variables to the
-    workers on every node by its own rule (``get_env_vars_to_copy``: the
-    ``VLLM_`` prefix among others): every ``VLLM_MLA_FIXES*`` setting is
-    among them, so each node's workers read what the driver read.  The
-    package itself must be installed on every node (docs/install.md)."""
-    from vllm.ray.ray_env import get_env_vars_to_copy
-
-    from vllm_mla_fixes import settings
-
-    values = {
-        settings.FIXES.name: "all",
-        settings.DSV41_GEOMETRY.name: fix.SPLIT.value,
-        settings.DSV41_DRAFTER_SWA_ROWS.name: "64",
-        settings.CACHE_DIR.name: "/var/cache/vllm-mla-fixes",
-    }
-    assert set(values) == {s.name for s in settings.SETTINGS}  # every setting
-    for name, value in values.items():
-        monkeypatch.setenv(name, value)
-    copied = get_env_vars_to_copy(destination="a Ray worker on another node")
-    assert set(values) <= set(copied), set(values) - set(copied)
