@@ -292,4 +292,3 @@ def _geometry_bound(block_size: int):
     repro.select_kernel_block_sizes(geometry)
     repro.create_metadata_builders(geometry)
     return geometry
-

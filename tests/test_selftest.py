@@ -46,7 +46,7 @@ REGRESSED_FIX = """\
 # (The module itself: the package's ``apply`` attribute is its apply function.)
 import importlib
 fix_apply = importlib.import_module("vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply")
-fix_apply._with_kernel_slots = lambda original: original
+fix_apply.with_kernel_slots = lambda original: original
 """
 
 

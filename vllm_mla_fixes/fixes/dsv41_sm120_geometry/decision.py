@@ -436,15 +436,16 @@ def flashinfer_takes_runtime_swa_pages() -> bool:
 def _drafter_rows(
     engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int
 ) -> tuple[int, str]:
-    """Rows of a drafter's sliding-window pages under the fix, and why."""
-    if engine.model is None or not engine.model.drafter_layers:
-        return PAGE_ROWS, "no drafter layers"
+    """Rows of a drafter's sliding-window pages (of every layer numbered past
+    the backbone) under the fix, and why."""
     if engine.forced_drafter_rows == PAGE_ROWS:
         return PAGE_ROWS, f"{_drafter_env()}={PAGE_ROWS}"
     if not flashinfer_takes_runtime_swa_pages():
         return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"
     if engine.forced_drafter_rows == DRAFTER_SWA_ROWS:
         return DRAFTER_SWA_ROWS, f"{_drafter_env()}={DRAFTER_SWA_ROWS}"
+    if engine.model is None or not engine.model.drafter_layers:
+        return PAGE_ROWS, "no drafter layers"
     if engine.max_model_len is None:
         return PAGE_ROWS, "no max-model-len to plan the drafter's pages at"
     try:
