@@ -13,8 +13,11 @@ raises for a bad value: the plugin's start-up path reads these.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import pwd
+import stat
 import textwrap
 import threading
 from collections.abc import Callable, Mapping
@@ -100,9 +103,41 @@ def _cache_folder(raw: str) -> Path:
         raise ValueError(str(exc)) from exc
     if not path.is_absolute():
         raise ValueError("a relative path would differ between vLLM's processes")
-    if path.exists() and not path.is_dir():
-        raise ValueError("it exists and is not a folder")
+    _check_writable_folder(path)
     return path
+
+
+def _check_writable_folder(path: Path) -> None:
+    """ValueError unless this process could keep files in ``path``: the
+    nearest part of it that exists is a folder it may write in.  Every
+    OSError becomes the reason (a name too long, a parent it may not look
+    into): a cache folder that cannot be used must never stop plugin load."""
+    for part in (path, *path.parents):
+        try:
+            mode = os.stat(part).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there (yet): the part above it decides
+        except OSError as exc:
+            raise ValueError(f"it cannot be looked up: {_os_reason(exc)}") from None
+        if not stat.S_ISDIR(mode):
+            raise ValueError(
+                "it exists and is not a folder" if part == path else f"{str(part)!r} is a file"
+            )
+        if not os.access(part, os.W_OK | os.X_OK):
+            raise ValueError(f"this user ({_user()}) may not write in {str(part)!r}")
+        return
+
+
+def _os_reason(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0)
+    return f"{exc.strerror} ({name})" if exc.strerror and name else str(exc)
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid with no passwd entry, as in many containers
+        return f"uid {os.getuid()}"
 
 
 FIXES = Setting(
@@ -132,7 +167,7 @@ DSV41_DRAFTER_SWA_ROWS = Setting(
 )
 CACHE_DIR = Setting(
     name=f"{PREFIX}_CACHE_DIR",
-    allowed_values="an absolute path of a folder (created when missing)",
+    allowed_values="an absolute path of a folder this user may write in (created when missing)",
     default="$XDG_CACHE_HOME/vllm-mla-fixes/screens, else ~/.cache/vllm-mla-fixes/screens",
     meaning="where the plugin keeps its source-screen verdicts between processes",
     parse=_cache_folder,
@@ -157,15 +192,16 @@ class Reading:
 
     def describe(self) -> str:
         """One line: the value in force, or what is wrong and what applies instead."""
+        shown = _shown(self.raw)
         if self.setting is None:
             return (
-                f"{self.name}={self.raw!r}: not a setting of vllm-mla-fixes, which reads "
+                f"{self.name}={shown}: not a setting of vllm-mla-fixes, which reads "
                 f"{', '.join(s.name for s in SETTINGS)}"
             )
         if self.problem is None:
-            return f"{self.name}={self.raw!r}"
+            return f"{self.name}={shown}"
         return (
-            f"{self.name}={self.raw!r} is not allowed ({self.problem}); allowed: "
+            f"{self.name}={shown} is not allowed ({self.problem}); allowed: "
             f"{self.setting.allowed}; ignored, so the default applies: {self.setting.default}"
         )
 
@@ -179,6 +215,17 @@ class Reading:
             "allowed": self.setting.allowed if self.setting else None,
             "default": self.setting.default if self.setting else None,
         }
+
+
+SHOWN_CHARACTERS = 120
+
+
+def _shown(raw: str) -> str:
+    """A value as one readable line: repr (no control or unencodable
+    characters reach a log), cut where it is longer than a line."""
+    if len(raw) <= SHOWN_CHARACTERS:
+        return repr(raw)
+    return f"{raw[:SHOWN_CHARACTERS]!r}... ({len(raw)} characters)"
 
 
 def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading | None:
