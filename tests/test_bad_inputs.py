@@ -173,7 +173,7 @@ ARGUMENT_CASES = [
     case(
         "selftest --json --report /no/such/folder/selftest.json",
         2,
-        "--report /no/such/folder/selftest.json: its folder does not exist",
+        "--report '/no/such/folder/selftest.json': its folder does not exist",
     ),
     case("selftest --bogus", 2, "unrecognized arguments: --bogus"),
     # smoke

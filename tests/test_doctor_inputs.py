@@ -98,8 +98,12 @@ def test_a_model_folder_that_does_not_exist_will_fail(tmp_path):
 
 
 def test_the_same_folder_with_a_good_config_is_accepted(tmp_path):
-    label, reason = _judged([_model(tmp_path / "model", None), "-tp", "2"])
-    assert label != doctor.WILL_FAIL, reason
+    from importlib.metadata import version
+
+    line = ["vllm", "serve", _model(tmp_path / "model", None), "-tp", "2"]
+    finding = doctor.check_with_vllm(line, version("vllm"))
+    assert finding.level == "ok", finding
+    assert "its engine config built from the model's config" in finding.message
 
 
 def test_a_config_file_with_a_yaml_error_will_fail_in_its_words(tmp_path):
