@@ -34,15 +34,16 @@ TINY_GLM = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"
 
 
 def _warm() -> None:
-    """Import what every command imports, and let vLLM inspect the tiny
-    model's architecture once (its registry keeps the answer), with no
-    plugin loaded."""
+    """Import what every command imports, derive what a process derives once
+    and keeps (vLLM's inspection of the tiny model's architecture, the
+    kernels' declarations status compares), with no plugin loaded."""
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # as the CLI sets it
     os.environ["VLLM_PLUGINS"] = ""
     import vllm_mla_fixes.cli  # noqa: F401
     from vllm_mla_fixes import doctor, serve_line
 
     doctor.read_environment(load_plugins=False)  # torchaudio, NVML, torch
+    vllm_mla_fixes.cli._kernel_disagreements()  # seconds on 0.32-0.34, kept per process
     with serve_line.cuda_device_type_while_parsing():
         try:
             serve_line.check_engine_config(serve_line.parse([str(TINY_GLM)]))

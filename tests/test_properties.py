@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "cli_worker.py"
 TINY_GLM = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"
 DOCUMENTED_EXIT = {0, 1, 2}
-EXAMPLES = {"argv": 24, "settings": 8, "cache_dir": 10, "config": 10, "serve_line": 10}
+EXAMPLES = {"argv": 120, "settings": 20, "cache_dir": 30, "config": 25, "serve_line": 25}
 PROPERTY = settings(
     database=None,  # no .hypothesis folder in the checkout
     deadline=None,  # each example is a process; its time is the worker's timeout
@@ -197,7 +197,10 @@ PATHS = ["", "{root}", "{folder}", "{text}", "{text}/sub", "/no/such/file", "/" 
 
 
 def pool(*values: str) -> st.SearchStrategy[str]:
-    return st.one_of(st.sampled_from(values), JUNK)
+    """Mostly the values given (good and bad ones), sometimes anything."""
+    return st.sampled_from([*values, "<junk>"]).flatmap(
+        lambda value: JUNK if value == "<junk>" else st.just(value)
+    )
 
 
 # Every option of every command has its values here; a new option without
@@ -308,19 +311,30 @@ SERVE_FLAGS: dict[str, st.SearchStrategy[str] | None] = {
 }
 
 
+def _rarely(draw, one_in: int) -> bool:
+    # the rare case last: Hypothesis starts from, and shrinks to, the first
+    return draw(st.sampled_from([False] * (one_in - 1) + [True]))
+
+
 @st.composite
 def command_lines(draw) -> list[str]:
-    argv: list[str] = draw(st.lists(st.sampled_from(["--json", "--verbose", "--help"]), max_size=1))
-    name = draw(st.one_of(st.sampled_from(sorted(SUBCOMMANDS)), JUNK))
+    """Mostly a real command with its own options (values good and bad), now
+    and then a stray word before or after it, or no command at all."""
+    argv: list[str] = []
+    if _rarely(draw, 6):
+        argv.append(draw(st.sampled_from(["--json", "--verbose", "--help", "--version"])))
+    names = sorted(SUBCOMMANDS)
+    name = draw(JUNK) if _rarely(draw, 8) else draw(st.sampled_from(names))
     argv.append(name)
     parser = SUBCOMMANDS.get(name)
-    actions = [a for a in parser._actions if a.dest != "serve_args"] if parser else []
+    actions = [a for a in parser._actions if a.dest not in ("serve_args", "help")] if parser else []
     for action in draw(st.lists(st.sampled_from(actions), max_size=4)) if actions else []:
         if action.option_strings:
             argv.append(draw(st.sampled_from(action.option_strings)))
-        if action.dest not in FLAGS_WITHOUT_VALUES and draw(st.integers(0, 9)) > 0:
+        if action.dest not in FLAGS_WITHOUT_VALUES and not _rarely(draw, 10):
             argv.append(draw(VALUES[action.dest]))
-    argv += draw(st.lists(JUNK, max_size=1))
+    if _rarely(draw, 6):
+        argv.append(draw(JUNK))
     if name == "doctor" and draw(st.booleans()):
         argv += ["--", *draw(serve_lines())]
     return argv
