@@ -557,9 +557,7 @@ def test_selftest_report_of_an_empty_path_is_refused_at_once(tmp_path):
 def _read_only(folder: Path, *argv: str) -> subprocess.CompletedProcess:
     """``argv`` run where ``folder`` is a read-only file system: a read-only
     bind mount of it, in a mount namespace of the command's own."""
-    script = (
-        'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
-    )
+    script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
     return subprocess.run(
         ["unshare", "--mount", "sh", "-c", script, str(folder), *argv],
         env=_env(),
@@ -592,7 +590,8 @@ def test_selftest_prints_its_report_before_writing_it(tmp_path, monkeypatch, cap
     """A report file that cannot be written after the run (the disk filled
     up meanwhile) loses nothing: the report is on stdout already, and one
     line says the file is missing."""
-    from vllm_mla_fixes import atomic, cli as cli_module
+    from vllm_mla_fixes import atomic
+    from vllm_mla_fixes import cli as cli_module
 
     def disk_full(target, data):
         raise OSError(28, "No space left on device")

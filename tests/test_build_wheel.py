@@ -218,6 +218,6 @@ def test_building_the_same_wheel_twice_gives_the_same_bytes(built, tmp_path):
     upstream, patched = built
     again = wheel_builder.build(upstream, tmp_path, build_number=3)
     assert again.name == patched.name
-    assert hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(
-        patched.read_bytes()
-    ).digest()
+    assert (
+        hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(patched.read_bytes()).digest()
+    )

@@ -35,14 +35,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from vllm_mla_fixes import cli, settings as plugin_settings
+from vllm_mla_fixes import cli
+from vllm_mla_fixes import settings as plugin_settings
 from vllm_mla_fixes.fixes import FIX_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +159,9 @@ def assert_contract(argv: list[str], outcome: dict) -> dict | None:
     shown = f"argv={argv!r}\nstatus={status}\nstdout={out[-2000:]}\nstderr={err[-3000:]}"
     assert "Traceback" not in out + err and "internal error" not in err, shown
     assert status in DOCUMENTED_EXIT, shown
-    errors = [ln for ln in err.splitlines() if ln.startswith("vllm-mla-fixes") and ": error: " in ln]
+    errors = [
+        ln for ln in err.splitlines() if ln.startswith("vllm-mla-fixes") and ": error: " in ln
+    ]
     assert len(errors) <= 1, shown
     if errors:
         cause = errors[0].split(": error: ", 1)[1]
@@ -396,10 +399,14 @@ def test_every_command_line_keeps_the_contract(worker, inputs, tmp_path, record_
 
 # -- settings: no value turns a fix off -----------------------------------------------------------
 
-FIX_SELECTIONS = pool("all", "none", "ALL", " all ", ",", "all,none", *FIX_NAMES, ",".join(FIX_NAMES))
+FIX_SELECTIONS = pool(
+    "all", "none", "ALL", " all ", ",", "all,none", *FIX_NAMES, ",".join(FIX_NAMES)
+)
 SETTING_VALUES = {
     plugin_settings.FIXES.name: FIX_SELECTIONS,
-    plugin_settings.DSV41_GEOMETRY.name: pool("interleaved-split", "per-ratio", "split", "PER-RATIO"),
+    plugin_settings.DSV41_GEOMETRY.name: pool(
+        "interleaved-split", "per-ratio", "split", "PER-RATIO"
+    ),
     plugin_settings.DSV41_DRAFTER_SWA_ROWS.name: pool("64", "128", " 64 ", "32", "0x40", "1e2"),
 }
 CACHE_SEGMENT = st.one_of(
@@ -532,11 +539,20 @@ def config_files(draw) -> bytes:
     kind = draw(st.sampled_from(["changed", "changed", "changed", "nested", "bytes"]))
     if kind == "nested":
         depth = draw(st.integers(50, 200_000))
-        return b'{"architectures": ["GlmMoeDsaForCausalLM"], "x": ' + b"[" * depth + b"]" * depth + b"}"
+        return (
+            b'{"architectures": ["GlmMoeDsaForCausalLM"], "x": '
+            + b"[" * depth
+            + b"]" * depth
+            + b"}"
+        )
     if kind == "bytes":
         return draw(st.binary(max_size=48))
     keys = sorted(GLM_CONFIG) + ["text_config", "unknown_field"]
-    config = {k: v for k, v in GLM_CONFIG.items() if k not in draw(st.sets(st.sampled_from(keys), max_size=2))}
+    config = {
+        k: v
+        for k, v in GLM_CONFIG.items()
+        if k not in draw(st.sets(st.sampled_from(keys), max_size=2))
+    }
     config.update(draw(st.dictionaries(st.sampled_from(keys), JSON_VALUES, max_size=2)))
     text = json.dumps(config)
     encoding = draw(st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "latin-1", "cut"]))
@@ -588,4 +604,3 @@ def test_doctor_on_any_serve_line_keeps_the_contract(worker, inputs, tmp_path, r
 
     prop()
     record_property("generated_examples", len(seen))
-

@@ -103,7 +103,12 @@ def test_source_date_epoch_sets_the_time_of_every_added_file(tmp_path, monkeypat
 def test_a_source_date_epoch_that_is_not_a_number_is_refused_first(tmp_path):
     upstream = _upstream(tmp_path / "in")
     proc = cli(
-        "build-wheel", "--vllm-wheel", str(upstream), "--out", "dist", cwd=tmp_path,
+        "build-wheel",
+        "--vllm-wheel",
+        str(upstream),
+        "--out",
+        "dist",
+        cwd=tmp_path,
         SOURCE_DATE_EPOCH="yesterday",
     )
     _one_error(proc, 2, "SOURCE_DATE_EPOCH='yesterday' is not a whole number of seconds")
@@ -119,8 +124,16 @@ def test_a_build_waits_for_the_one_writing_into_the_same_folder(tmp_path):
     out.mkdir()
     with atomic.folder_lock(out):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_mla_fixes", "build-wheel", "--vllm-wheel",
-             str(upstream), "--out", str(out)],
+            [
+                sys.executable,
+                "-m",
+                "vllm_mla_fixes",
+                "build-wheel",
+                "--vllm-wheel",
+                str(upstream),
+                "--out",
+                str(out),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -137,8 +150,16 @@ def test_a_build_waits_for_the_one_writing_into_the_same_folder(tmp_path):
 def test_two_builds_at_once_print_the_sha256_of_the_file_on_disk(tmp_path):
     upstream = _upstream(tmp_path / "in", padding=24 << 20)
     out = tmp_path / "dist"
-    command = [sys.executable, "-m", "vllm_mla_fixes", "build-wheel", "--vllm-wheel",
-               str(upstream), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_mla_fixes",
+        "build-wheel",
+        "--vllm-wheel",
+        str(upstream),
+        "--out",
+        str(out),
+    ]
     procs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0]
@@ -152,8 +173,12 @@ def test_a_later_build_removes_what_a_killed_build_left(tmp_path):
     upstream = _upstream(tmp_path / "in")
     out = tmp_path / "dist"
     out.mkdir()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_pid = int(gone.stdout)
     left = out / f".vllm-0.25.1+mlafixes.0.1.0-py3-none-any.whl.{dead_pid}.0123abcd.tmp"
     left.write_bytes(b"half a wheel")
@@ -248,8 +273,17 @@ ODD_ENTRIES = {
 def test_build_wheel_names_an_odd_index_entry(case, index, tmp_path):
     files, says = ODD_ENTRIES[case]
     url = index(files)
-    proc = cli("build-wheel", "--vllm", "0.25.1", "--index-url", url, "--out", "dist",
-               cwd=tmp_path, HOME=str(tmp_path / "home"))
+    proc = cli(
+        "build-wheel",
+        "--vllm",
+        "0.25.1",
+        "--index-url",
+        url,
+        "--out",
+        "dist",
+        cwd=tmp_path,
+        HOME=str(tmp_path / "home"),
+    )
     _one_error(proc, 1, says)
 
 
@@ -264,9 +298,8 @@ def test_review_of_a_wheel_with_a_syntax_error_in_a_reviewed_module(tmp_path):
     """The installed release's reviewed modules, packed as its wheel, one of
     them cut off mid-definition: reported as missing definitions and a failing
     source screen, exit status 1, never a traceback."""
-    from vllm_mla_fixes.screen_cache import source_file
-
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry  # in scope of 0.34.0
+    from vllm_mla_fixes.screen_cache import source_file
 
     modules = sorted(m for m in review.reviewed_modules() if source_file(m) is not None)
     broken = sorted(m for m, _ in dsv41_sm120_geometry.REVIEWED)[0]

@@ -263,7 +263,9 @@ def cmd_selftest(args: argparse.Namespace) -> int:
             geometry_limit_seconds=args.geometry_timeout,
         )
     document = json.dumps(report.as_json(), indent=2)
-    print(document if args.json else report.text(), flush=True)  # first: a failed write loses nothing
+    print(
+        document if args.json else report.text(), flush=True
+    )  # first: a failed write loses nothing
     if args.report is not None:
         try:
             atomic.write_atomic(Path(args.report), document + "\n")
@@ -612,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     as_json = _json_mode(argv)
     stdout = sys.stdout
-    sys.stdout = _GuardedStdout(stdout)  # type: ignore[assignment]
+    sys.stdout = _GuardedStdout(stdout)
     try:
         try:
             args = build_parser().parse_args(argv)

@@ -197,7 +197,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
 def names_local_model(model: str | None) -> bool:
     """Whether vLLM reads the model from this machine's files: a path that
     exists, or one no hub repository id can be (vLLM then says it is missing)."""
-    return bool(model) and (str(model).startswith(("/", ".", "~")) or os.path.exists(model))
+    if not model:
+        return False
+    return model.startswith(("/", ".", "~")) or os.path.exists(model)
 
 
 def check_engine_config(args: argparse.Namespace) -> None:

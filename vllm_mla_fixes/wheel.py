@@ -314,7 +314,9 @@ def _text(data: bytes, arcname: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise WheelBuildError(f"{arcname} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise WheelBuildError(
+            f"{arcname} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 def _write_patched(
