@@ -269,22 +269,17 @@ ODD_ENTRIES = {
 }
 
 
+@pytest.mark.parametrize("command, status", [("build-wheel", 1), ("review", 2)])
 @pytest.mark.parametrize("case", ODD_ENTRIES, ids=str)
-def test_build_wheel_names_an_odd_index_entry(case, index, tmp_path):
+def test_an_odd_index_entry_is_named_in_one_line(case, command, status, index, tmp_path):
+    """build-wheel fails (1); review cannot run (2): the same entry, the same words."""
     files, says = ODD_ENTRIES[case]
     url = index(files)
-    proc = cli(
-        "build-wheel",
-        "--vllm",
-        "0.25.1",
-        "--index-url",
-        url,
-        "--out",
-        "dist",
-        cwd=tmp_path,
-        HOME=str(tmp_path / "home"),
-    )
-    _one_error(proc, 1, says)
+    argv = [command, "--vllm", "0.25.1", "--index-url", url]
+    if command == "build-wheel":
+        argv += ["--out", "dist"]
+    proc = cli(*argv, cwd=tmp_path, HOME=str(tmp_path / "home"))
+    _one_error(proc, status, says)
 
 
 def test_review_latest_skips_entries_of_odd_types(index, tmp_path):

@@ -142,7 +142,7 @@ _warned_folders: set[Path] = set()
 def _warn_unwritable(folder: Path, exc: OSError) -> None:
     """Once per folder and process, where the operator chose the folder
     (an unusable default is the usual read-only home: the fixes work without it)."""
-    if settings.value(settings.CACHE_DIR) is None or folder in _warned_folders:
+    if not os.environ.get(CACHE_DIR_ENV, "").strip() or folder in _warned_folders:
         return
     _warned_folders.add(folder)
     logging.getLogger("vllm.mla_fixes").warning(

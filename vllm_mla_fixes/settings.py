@@ -109,15 +109,16 @@ def _cache_folder(raw: str) -> Path:
 
 def _check_writable_folder(path: Path) -> None:
     """ValueError unless this process could keep files in ``path``: the
-    nearest part of it that exists is a folder it may write in.  Every
-    OSError becomes the reason (a name too long, a parent it may not look
-    into): a cache folder that cannot be used must never stop plugin load."""
+    nearest part of it that exists is a folder it may write in, and the
+    names below it fit that file system.  Decided the same whether or not
+    the missing folders were created meanwhile; every OSError becomes the
+    reason: a cache folder that cannot be used must never stop plugin load."""
     for part in (path, *path.parents):
         try:
             mode = os.stat(part).st_mode
         except (FileNotFoundError, NotADirectoryError):
             continue  # not there (yet): the part above it decides
-        except OSError as exc:
+        except OSError as exc:  # a name too long, a parent it may not look into
             raise ValueError(f"it cannot be looked up: {_os_reason(exc)}") from None
         if not stat.S_ISDIR(mode):
             raise ValueError(
@@ -125,7 +126,23 @@ def _check_writable_folder(path: Path) -> None:
             )
         if not os.access(part, os.W_OK | os.X_OK):
             raise ValueError(f"this user ({_user()}) may not write in {str(part)!r}")
+        _check_names_fit(path, part)
         return
+
+
+def _check_names_fit(path: Path, existing: Path) -> None:
+    """The folders still to be created fit the file system ``existing`` is on."""
+    try:
+        longest_name = os.pathconf(existing, "PC_NAME_MAX")
+        longest_path = os.pathconf(existing, "PC_PATH_MAX")
+        encoded = os.fsencode(path)
+        names = [os.fsencode(name) for name in path.relative_to(existing).parts]
+    except (OSError, ValueError) as exc:  # UnicodeEncodeError: no file name holds it
+        raise ValueError(f"it cannot be a file name here: {exc}") from None
+    if len(encoded) >= longest_path:
+        raise ValueError(f"it is {len(encoded)} bytes long; paths here end at {longest_path - 1}")
+    if any(len(name) > longest_name for name in names):
+        raise ValueError(f"a name in it is longer than the {longest_name} bytes names here may be")
 
 
 def _os_reason(exc: OSError) -> str:
