@@ -600,7 +600,7 @@ def test_selftest_prints_its_report_before_writing_it(tmp_path, monkeypatch, cap
     status = cli_module.main(["selftest", "--json", "--report", str(tmp_path / "r.json")])
     captured = capsys.readouterr()
     report = json.loads(captured.out)  # the whole report, printed first
-    assert report["vllm"] == "0.25.1" and status == 1
+    assert report["vllm"] == "0.25.1" and status == 2
     assert captured.err.strip().splitlines()[-1] == (
         f"vllm-mla-fixes selftest: error: --report '{tmp_path / 'r.json'}' not written "
         "(No space left on device); the report is printed above"

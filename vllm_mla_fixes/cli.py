@@ -275,7 +275,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
                 f"({exc.strerror or exc}); the report is printed above",
                 file=sys.stderr,
             )
-            return EXIT_FAILED
+            return EXIT_USAGE  # the path given cannot be written: as when checked first
     return report.exit_status
 
 
