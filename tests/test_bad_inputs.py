@@ -325,7 +325,12 @@ def test_smoke_where_nothing_listens_says_so_in_both_modes(files, tmp_path):
 STATUS_RUNS = {
     "human-1": {"VLLM_MLA_FIXES": "all,bogus", GEOMETRY: "garbage", DRAFTER: "7"},
     "json-1": {"VLLM_MLA_FIXES": ",", DRAFTER: "-1", CACHE_DIR: "relative/screens"},
-    "human-2": {"VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape", DRAFTER: "abc", GEOMETRY: "split"},
+    "human-2": {
+        "VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape",
+        DRAFTER: "abc",
+        GEOMETRY: "split",
+        CACHE_DIR: "/etc/passwd/sub",  # issue 35: shown as valid before, and never written
+    },
     "json-plugins": {"VLLM_PLUGINS": "someother"},
 }
 SETTING_CASES = [
@@ -339,6 +344,7 @@ SETTING_CASES = [
     ("human-2", "VLLM_MLA_FIXES", "'none' must stand alone"),
     ("human-2", DRAFTER, "not a page size a drafter's pages can take"),
     ("human-2", GEOMETRY, "not a geometry name"),
+    ("human-2", CACHE_DIR, "'/etc/passwd' is a file"),
 ]
 
 

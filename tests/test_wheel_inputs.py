@@ -170,24 +170,39 @@ def test_two_builds_at_once_print_the_sha256_of_the_file_on_disk(tmp_path):
 
 
 def test_a_later_build_removes_what_a_killed_build_left(tmp_path):
-    upstream = _upstream(tmp_path / "in")
+    """A build stopped by SIGKILL (no clean-up can run) leaves its temporary
+    file; the next build into the folder removes it, and leaves alone the one
+    of a build still running."""
+    import signal
+    import time
+
+    upstream = _upstream(tmp_path / "in", padding=24 << 20)
     out = tmp_path / "dist"
     out.mkdir()
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
+    killed = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_mla_fixes",
+            "build-wheel",
+            "--vllm-wheel",
+            str(upstream),
+            "--out",
+            str(out),
+        ],
     )
-    dead_pid = int(gone.stdout)
-    left = out / f".vllm-0.25.1+mlafixes.0.1.0-py3-none-any.whl.{dead_pid}.0123abcd.tmp"
-    left.write_bytes(b"half a wheel")
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    (left,) = out.glob(".*.tmp")
     running = out / f".vllm-0.25.1+mlafixes.0.1.0-py3-none-any.whl.{os.getpid()}.0123abcd.tmp"
     running.write_bytes(b"a build still running")
     proc = cli("build-wheel", "--vllm-wheel", str(upstream), "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert not left.exists() and running.exists()
-    assert f"removed {left.name}, left by a build that was stopped (process {dead_pid})" in (
+    assert f"removed {left.name}, left by a build that was stopped (process {killed.pid})" in (
         proc.stderr
     )
 
