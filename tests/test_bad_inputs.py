@@ -173,9 +173,11 @@ ARGUMENT_CASES = [
     case(
         "selftest --json --report /no/such/folder/selftest.json",
         2,
-        "--report /no/such/folder/selftest.json: its folder does not exist",
+        "--report '/no/such/folder/selftest.json': its folder does not exist",
     ),
     case("selftest --bogus", 2, "unrecognized arguments: --bogus"),
+    case("selftest --json --report {root}", 2, "--report '{root}': it is a folder; give a file"),
+    case("selftest --report {text}/report.json", 2, "its folder does not exist"),
     # smoke
     case("smoke", 2, "the following arguments are required: url"),
     case("smoke http://127.0.0.1:99999", 2, "'http://127.0.0.1:99999' has an invalid port"),
@@ -226,6 +228,7 @@ ARGUMENT_CASES = [
     ),
     case("build-wheel --vllm-wheel {patched}", 2, "is already patched; start from upstream's"),
     case("build-wheel --vllm-wheel {garbage} --out {text}", 2, "exists and is not a folder"),
+    case("build-wheel --vllm-wheel {garbage} --out {text}/dist", 2, "notes.txt' is a file"),
     case(
         "build-wheel --vllm-wheel {garbage} --out {root}/new/dist",
         1,
@@ -322,7 +325,12 @@ def test_smoke_where_nothing_listens_says_so_in_both_modes(files, tmp_path):
 STATUS_RUNS = {
     "human-1": {"VLLM_MLA_FIXES": "all,bogus", GEOMETRY: "garbage", DRAFTER: "7"},
     "json-1": {"VLLM_MLA_FIXES": ",", DRAFTER: "-1", CACHE_DIR: "relative/screens"},
-    "human-2": {"VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape", DRAFTER: "abc", GEOMETRY: "split"},
+    "human-2": {
+        "VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape",
+        DRAFTER: "abc",
+        GEOMETRY: "split",
+        CACHE_DIR: "/etc/passwd/sub",  # issue 35: shown as valid before, and never written
+    },
     "json-plugins": {"VLLM_PLUGINS": "someother"},
 }
 SETTING_CASES = [
@@ -336,6 +344,7 @@ SETTING_CASES = [
     ("human-2", "VLLM_MLA_FIXES", "'none' must stand alone"),
     ("human-2", DRAFTER, "not a page size a drafter's pages can take"),
     ("human-2", GEOMETRY, "not a geometry name"),
+    ("human-2", CACHE_DIR, "'/etc/passwd' is a file"),
 ]
 
 
@@ -539,3 +548,66 @@ def test_build_wheel_stopped_leaves_the_folder_as_it_was(
         assert hashlib.sha256((out / earlier.name).read_bytes()).hexdigest() == earlier_sha
     else:
         assert list(tmp_path.iterdir()) == []  # the folders it created are gone too
+
+
+# -- output paths: checked before any long work, results printed before written (issue 35) --
+
+
+def test_selftest_report_of_an_empty_path_is_refused_at_once(tmp_path):
+    started = time.monotonic()
+    proc = cli("selftest", "--json", "--report", "", cwd=tmp_path)
+    assert_one_error(proc, 2, "--report '': an empty path names no file")
+    assert time.monotonic() - started < 30  # before torch, vLLM or any geometry
+
+
+def _read_only(folder: Path, *argv: str) -> subprocess.CompletedProcess:
+    """``argv`` run where ``folder`` is a read-only file system: a read-only
+    bind mount of it, in a mount namespace of the command's own."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
+    return subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script, str(folder), *argv],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace needs root")
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("selftest", "--json", "--report", "{folder}/selftest.json"),
+        ("build-wheel", "--vllm-wheel", "{garbage}", "--out", "{folder}/dist"),
+    ],
+    ids=["selftest --report", "build-wheel --out"],
+)
+def test_an_output_on_a_read_only_file_system_is_refused_at_once(files, tmp_path, command):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    argv = [arg.format(folder=folder, **files) for arg in command]
+    started = time.monotonic()
+    proc = _read_only(folder, sys.executable, "-m", "vllm_mla_fixes", *argv)
+    assert_one_error(proc, 2, f"cannot write in '{folder}': Read-only file system")
+    assert time.monotonic() - started < 30
+
+
+def test_selftest_prints_its_report_before_writing_it(tmp_path, monkeypatch, capsys):
+    """A report file that cannot be written after the run (the disk filled
+    up meanwhile) loses nothing: the report is on stdout already, and one
+    line says the file is missing."""
+    from vllm_mla_fixes import atomic
+    from vllm_mla_fixes import cli as cli_module
+
+    def disk_full(target, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic, "write_atomic", disk_full)
+    status = cli_module.main(["selftest", "--json", "--report", str(tmp_path / "r.json")])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # the whole report, printed first
+    assert report["vllm"] == "0.25.1" and status == 2
+    assert captured.err.strip().splitlines()[-1] == (
+        f"vllm-mla-fixes selftest: error: --report '{tmp_path / 'r.json'}' not written "
+        "(No space left on device); the report is printed above"
+    )

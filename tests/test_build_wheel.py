@@ -211,3 +211,13 @@ def test_refuses_an_already_patched_wheel(built, tmp_path):
     _, patched = built
     with pytest.raises(wheel_builder.WheelBuildError, match="already patched"):
         wheel_builder.build(patched, tmp_path)
+
+
+def test_building_the_same_wheel_twice_gives_the_same_bytes(built, tmp_path):
+    """Issue 35: RECORD and the added files carry a fixed time, never the clock."""
+    upstream, patched = built
+    again = wheel_builder.build(upstream, tmp_path, build_number=3)
+    assert again.name == patched.name
+    assert (
+        hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(patched.read_bytes()).digest()
+    )

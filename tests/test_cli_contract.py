@@ -223,8 +223,9 @@ def test_build_wheel_bad_inputs_in_the_users_environment(user_env, tmp_path):
     proc = cli(
         user_env, "build-wheel", "--vllm-wheel", str(not_a_wheel), "--out", str(blocked / "out")
     )
-    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
-    assert "build-wheel" in proc.stderr
+    # refused as a bad argument before the wheel is read (issue 35: cheap checks first)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
+    assert f"--out {blocked / 'out'}: '{blocked}' is a file" in proc.stderr
 
 
 @pytest.mark.vllm_release("0.25.1")

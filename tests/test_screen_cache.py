@@ -164,3 +164,132 @@ def test_a_changed_reviewed_table_is_screened_again(cache, monkeypatch):
     monkeypatch.setitem(dsv41.REVIEWED, target, {"0000000000000000": "not this release"})
     with pytest.raises(patching.TargetMismatch, match="get_kv_cache_spec"):
         dsv41.probe((12, 0))
+
+
+# -- a cache folder that cannot be used never turns a fix off (issue 35) ------------------
+
+
+@pytest.fixture
+def plugin_log():
+    """Records of the plugin's logger (vLLM's logger tree does not propagate to caplog)."""
+    import logging
+
+    import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.mla_fixes")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def _states(plugin) -> list[tuple[str, str]]:
+    plugin.revert_all()
+    plugin.register()
+    return [(s.name, s.state.value) for s in plugin.status()]
+
+
+UNUSABLE_CACHE_DIRS = {
+    "a name too long for the file system": ("/" + "a" * 300, "File name too long (ENAMETOOLONG)"),
+    "a path too long for the file system": (
+        "/tmp/" + "b/" * 3000,
+        "File name too long (ENAMETOOLONG)",
+    ),
+    "under a file": ("/etc/passwd/sub", "'/etc/passwd' is a file"),
+    "a file": ("/etc/passwd", "it exists and is not a folder"),
+    "a folder it may not write in": ("/proc/1/screens", "may not write in '/proc/1'"),
+}
+
+
+@pytest.mark.vllm_release("0.25.1", "0.34.0")
+@pytest.mark.parametrize("case", UNUSABLE_CACHE_DIRS, ids=str)
+def test_an_unusable_cache_folder_warns_once_and_turns_no_fix_off(
+    case, fresh_plugin, plugin_log, monkeypatch, tmp_path
+):
+    value, reason = UNUSABLE_CACHE_DIRS[case]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the default the setting falls back to
+    monkeypatch.delenv(screen_cache.CACHE_DIR_ENV, raising=False)
+    without = _states(fresh_plugin)
+    monkeypatch.setenv(screen_cache.CACHE_DIR_ENV, value)
+    plugin_log.clear()
+    assert _states(fresh_plugin) == without
+    said = [r.getMessage() for r in plugin_log if screen_cache.CACHE_DIR_ENV in r.getMessage()]
+    assert len(said) == 1 and reason in said[0] and "is not allowed" in said[0], said
+    assert not [r for r in plugin_log if "internal error" in r.getMessage()]
+    assert len(said[0]) < 600  # one readable line, however long the value
+
+
+def _without_dac_override():
+    """In the child: drop root's right to read and search any folder
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so a folder of mode 000 refuses
+    it as it refuses any service user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # PR_CAPBSET_DROP = 24
+        if libc.prctl(24, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_a_cache_folder_the_user_may_not_look_into_is_flagged_and_fixes_apply(tmp_path):
+    """PermissionError from stat(): status --json in a process of a user who
+    may not search the parent folder."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MLA_FIXES")}
+    env.pop("VLLM_PLUGINS", None)
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        XDG_CACHE_HOME=str(tmp_path / "default"),
+        **{screen_cache.CACHE_DIR_ENV: str(locked / "screens")},
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_mla_fixes", "status", "--json"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
+    )
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    document = json.loads(proc.stdout)
+    (setting,) = document["settings"]
+    assert not setting["valid"] and "Permission denied (EACCES)" in setting["problem"], setting
+    assert document["exit_status"] == proc.returncode == 2
+    states = {f["name"]: f["state"] for f in document["fixes"]}
+    assert states["fp8-ds-mla-reshape"] == "applied", document["fixes"]
+    warnings = [ln for ln in proc.stderr.splitlines() if screen_cache.CACHE_DIR_ENV in ln]
+    assert len(warnings) == 1 and "Permission denied" in warnings[0], proc.stderr[-2000:]
+
+
+@pytest.mark.vllm_release("0.25.1")
+def test_a_configured_cache_that_cannot_be_written_warns_once(
+    fresh_plugin, plugin_log, monkeypatch, tmp_path
+):
+    """Valid when read, unwritable when used (here: a file where the cache's
+    entry must go): the verdict comes from screening, and one warning names
+    the variable."""
+    from vllm_mla_fixes.fixes import fp8_ds_mla_reshape as fp8
+
+    folder = tmp_path / "screens"
+    monkeypatch.setenv(screen_cache.CACHE_DIR_ENV, str(folder))
+    monkeypatch.setattr(screen_cache, "_warned_folders", set())
+    monkeypatch.setattr(screen_cache, "_store", _refuse)
+    for _ in range(2):
+        assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
+    said = [r.getMessage() for r in plugin_log if screen_cache.CACHE_DIR_ENV in r.getMessage()]
+    assert said == [
+        f"vllm-mla-fixes: {screen_cache.CACHE_DIR_ENV}={str(folder)!r} cannot be written "
+        "(OSError: No space left on device); the fixes work without the cache, each vLLM "
+        "process screening vLLM's sources itself"
+    ]
+
+
+def _refuse(entry: Path, payload: dict) -> None:
+    import errno
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,12 +1,16 @@
-"""Checks of command-line values, run by argparse before a command does any work
-(no network access, no vLLM import): each raises ``ArgumentTypeError`` with a
-message naming what is wrong and what is expected."""
+"""Checks of command-line values, run before a command does any work (no
+network access, no vLLM import): argparse's types raise ``ArgumentTypeError``
+with a message naming what is wrong and what is expected; the output-path
+checks return that message."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 import urllib.parse
+from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
@@ -46,14 +50,32 @@ def index_url(text: str) -> str:
 
 
 def server_url(text: str) -> str:
-    """A server's base URL: http or https, a host, a port in 1-65535."""
+    """A server's base URL: http or https, a host, a port in 1-65535.  Its
+    password, where it has one, is never shown."""
+    from vllm_mla_fixes.smoke import redact_url
+
+    shown = redact_url(text)
     parts = urllib.parse.urlsplit(text)
     if parts.scheme not in ("http", "https"):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an http:// or https:// URL (e.g. http://localhost:8000)"
+            f"{shown!r} is not an http:// or https:// URL (e.g. http://localhost:8000)"
         )
-    _host_and_port(text, parts)
+    _host_and_port(shown, parts)
     return text
+
+
+def api_key(text: str) -> str:
+    """A bearer token: surrounding white space (a key file's newline) is
+    dropped; a character an HTTP header cannot carry is refused, and the key
+    is never shown."""
+    key = text.strip()
+    bad = next((i for i, c in enumerate(key) if not " " < c <= "~"), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(
+            f"the API key (--api-key or $VLLM_API_KEY, {len(key)} characters) holds a "
+            f"character an HTTP header cannot carry at position {bad + 1}; it is not shown"
+        )
+    return key
 
 
 def _host_and_port(text: str, parts: urllib.parse.SplitResult) -> None:
@@ -96,3 +118,53 @@ def positive_seconds(text: str) -> float:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
     return seconds
+
+
+# Output paths are checked before a command's long work (a self-test runs for
+# minutes, a build reads a 400 MB wheel): each returns why a path cannot be
+# written, or None.
+
+
+def output_file_problem(text: str) -> str | None:
+    """Why a file cannot be written at ``text`` (a report), or None."""
+    if not text.strip():
+        return "an empty path names no file"
+    path = Path(text)
+    try:
+        if path.is_dir():
+            return "it is a folder; give a file name"
+        if not path.parent.is_dir():
+            return "its folder does not exist"
+    except OSError as exc:  # a name too long, a folder it may not look into
+        return exc.strerror or str(exc)
+    return _cannot_write_in(path.parent)
+
+
+def output_folder_problem(text: str) -> str | None:
+    """Why files cannot be written into the folder ``text`` (created when
+    missing, with its parents), or None."""
+    if not text.strip():
+        return "an empty path names no folder"
+    path = Path(text)
+    for part in (path, *path.parents):
+        try:
+            if not part.exists():
+                continue
+            if not part.is_dir():
+                return "exists and is not a folder" if part == path else f"{str(part)!r} is a file"
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return _cannot_write_in(part)
+    return None
+
+
+def _cannot_write_in(folder: Path) -> str | None:
+    """Why no file can be created in ``folder`` now (a read-only file system,
+    no permission), tried with one that is removed at once; or None."""
+    try:
+        descriptor, name = tempfile.mkstemp(dir=folder, prefix=".vllm-mla-fixes-probe-")
+    except OSError as exc:
+        return f"cannot write in {str(folder)!r}: {exc.strerror or exc}"
+    os.close(descriptor)
+    os.unlink(name)
+    return None

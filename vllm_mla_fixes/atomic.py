@@ -12,7 +12,9 @@ Standard library only: the plugin's start-up path uses it too.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import re
 import secrets
 import signal
 from collections.abc import Callable, Iterator
@@ -24,6 +26,54 @@ def _temporary_name(target: Path) -> Path:
     # A hidden name that does not end like the target (no ".whl"), so that
     # nothing that scans the folder mistakes it for a finished file.
     return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(
+    folder: Path, log: Callable[[str], None] = lambda line: None
+) -> list[Path]:
+    """Remove the temporary files :func:`replacing` left in ``folder`` when
+    its process was killed (SIGKILL, a power cut): those named after a
+    process that is gone.  Returns what it removed."""
+    removed = []
+    for path in folder.iterdir():
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or _alive(int(match["pid"])) or not path.is_file():
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another build removed it first
+            path.unlink()
+            removed.append(path)
+            log(f"removed {path.name}, left by a build that was stopped (process {match['pid']})")
+    return removed
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, on_wait: Callable[[str], None] = lambda line: None) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` itself (flock on the folder: no
+    lock file is left behind) for the block; a second holder waits.  The
+    kernel drops it when the process dies, however it dies."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait(f"waiting for another build writing into {folder}")
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
 
 
 @contextlib.contextmanager

@@ -58,8 +58,47 @@ def _fail(prog: str, message: str, exit_status: int, as_json: bool) -> int:
     message = _one_line(message)
     print(f"{prog}: error: {message}", file=sys.stderr)
     if as_json:
-        print(json.dumps({"error": message, "exit_status": exit_status}, indent=2))
+        try:
+            print(json.dumps({"error": message, "exit_status": exit_status}, indent=2))
+            sys.stdout.flush()
+        except StdoutFailed:  # the line on stderr is all there is
+            pass
     return exit_status
+
+
+class StdoutFailed(Exception):
+    """stdout cannot take the output (a full disk, a closed pipe)."""
+
+
+class _GuardedStdout:
+    """sys.stdout, whose failures say they are stdout's (an OSError alone
+    could be a wheel's full disk).  After one, what is still buffered goes to
+    /dev/null, so the interpreter's exit does not fail again with a traceback."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _failed(self, exc: OSError) -> StdoutFailed:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptor
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        return StdoutFailed(f"the output could not be written to stdout ({exc.strerror or exc})")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 @contextlib.contextmanager
@@ -199,8 +238,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     from vllm_mla_fixes.selftest.verdicts import EXIT_CANNOT_RUN
 
-    if args.report is not None and not Path(args.report).parent.is_dir():
-        raise CommandError(f"--report {args.report}: its folder does not exist", EXIT_USAGE)
+    if args.report is not None:  # before minutes of testing
+        problem = arguments.output_file_problem(args.report)
+        if problem is not None:
+            raise CommandError(f"--report {args.report!r}: {problem}", EXIT_USAGE)
 
     try:
         import torch  # noqa: F401
@@ -226,9 +267,19 @@ def cmd_selftest(args: argparse.Namespace) -> int:
             geometry_limit_seconds=args.geometry_timeout,
         )
     document = json.dumps(report.as_json(), indent=2)
+    print(
+        document if args.json else report.text(), flush=True
+    )  # first: a failed write loses nothing
     if args.report is not None:
-        atomic.write_atomic(Path(args.report), document + "\n")
-    print(document if args.json else report.text())
+        try:
+            atomic.write_atomic(Path(args.report), document + "\n")
+        except OSError as exc:  # the results are printed above; only the file is missing
+            print(
+                f"{PROG} selftest: error: --report {args.report!r} not written "
+                f"({exc.strerror or exc}); the report is printed above",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE  # the path given cannot be written: as when checked first
     return report.exit_status
 
 
@@ -253,9 +304,13 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 def cmd_build_wheel(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import wheel
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CommandError(f"--out {args.out}: exists and is not a folder", EXIT_USAGE)
+    problem = arguments.output_folder_problem(args.out)
+    if problem is not None:
+        raise CommandError(f"--out {args.out}: {problem}", EXIT_USAGE)
+    try:
+        wheel.added_file_time()  # SOURCE_DATE_EPOCH, read before the build
+    except wheel.WheelBuildError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from exc
     if args.vllm_wheel is not None:
         source = Path(args.vllm_wheel)
         if not source.is_file():
@@ -454,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     smoke_cmd.add_argument(
         "--api-key",
+        type=arguments.api_key,
         default=os.environ.get("VLLM_API_KEY"),
-        help="bearer token (default: $VLLM_API_KEY)",
+        help="bearer token (default: $VLLM_API_KEY; never printed)",
     )
     smoke_cmd.add_argument(
         "--timeout",
@@ -561,15 +617,39 @@ def _json_mode(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     as_json = _json_mode(argv)
+    stdout = sys.stdout
+    sys.stdout = _GuardedStdout(stdout)
     try:
-        args = build_parser().parse_args(argv)
-    except UsageError as exc:
-        return _fail(exc.prog, str(exc), EXIT_USAGE, as_json)
-    prog = f"{PROG} {args.command}"
+        try:
+            args = build_parser().parse_args(argv)
+        except UsageError as exc:
+            return _fail(exc.prog, str(exc), EXIT_USAGE, as_json)
+        except StdoutFailed as exc:  # --help or --version
+            return _fail(PROG, str(exc), EXIT_FAILED, False)
+        prog = f"{PROG} {args.command}"
+        try:
+            return _run(args, prog, as_json)
+        finally:
+            _flush_or_say(prog)
+    finally:
+        sys.stdout = stdout
+
+
+def _flush_or_say(prog: str) -> None:
+    try:
+        sys.stdout.flush()
+    except StdoutFailed as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace, prog: str, as_json: bool) -> int:
+    """The command's exit status; every failure as one line (:func:`_fail`)."""
     try:
         return args.func(args)
     except CommandError as exc:
         return _fail(prog, str(exc), exc.exit_status, as_json)
+    except StdoutFailed as exc:
+        return _fail(prog, str(exc), EXIT_FAILED, False)
     except atomic.Interrupted as exc:
         return _fail(prog, f"{exc}; nothing was left half-written", exc.exit_status, as_json)
     except KeyboardInterrupt:
@@ -584,6 +664,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     except OSError as exc:  # a path the user gave, a full disk, no network
         return _fail(prog, str(exc), EXIT_FAILED, as_json)
+    except Exception as exc:  # a bug of ours: still one line, never a traceback
+        return _fail(
+            prog,
+            f"internal error of {PROG} {vllm_mla_fixes.__version__} (please report it): "
+            f"{type(exc).__name__}: {exc}",
+            EXIT_FAILED,
+            as_json,
+        )
 
 
 if __name__ == "__main__":

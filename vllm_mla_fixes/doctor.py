@@ -18,7 +18,7 @@ import shlex
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
-from vllm_mla_fixes import __version__
+from vllm_mla_fixes import __version__, settings
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import release_decision
 from vllm_mla_fixes.report import (
@@ -188,6 +188,8 @@ def _json_option(value: str | None, flag: str) -> dict:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
         raise DoctorInputError(f"{flag} is not valid JSON ({exc.msg}): {value!r}") from exc
+    except RecursionError:
+        raise DoctorInputError(f"{flag} is nested too deeply to read") from None
     if not isinstance(parsed, dict):
         raise DoctorInputError(f"{flag} must be a JSON object, got {value!r}")
     return parsed
@@ -220,7 +222,7 @@ def _model_config(model: str | None) -> tuple[dict, str]:
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):  # vLLM's own reader says what is wrong
             continue
         if isinstance(config, dict):
             return config, f"{where}: {path}"
@@ -231,7 +233,10 @@ def _model(model: str | None) -> tuple[dict, list[str], str]:
     """The model's config, architectures and where they come from."""
     config, source = _model_config(model)
     if config:
-        return config, list(config.get("architectures") or []), source
+        listed = config.get("architectures")
+        # a list of names, as vLLM takes it; anything else is vLLM's to refuse, never letters
+        names = [a for a in listed if isinstance(a, str)] if isinstance(listed, list) else []
+        return config, names, source
     by_name = architectures_by_name(model or "")
     elsewhere = f"no config.json in {model!r} or under {hub_cache()}"
     if by_name:
@@ -345,6 +350,7 @@ def environment_findings(env: Environment) -> list[Finding]:
                 TORCHAUDIO_REMEDY,
             )
         )
+    findings += setting_findings()
     py_v, bind_v = env.packages.get("cuda-python"), env.packages.get("cuda-bindings")
     if py_v and bind_v and (major_minor(py_v) or (0,))[:1] != (major_minor(bind_v) or (0,))[:1]:
         findings.append(
@@ -359,6 +365,18 @@ def environment_findings(env: Environment) -> list[Finding]:
             )
         )
     return findings
+
+
+def setting_findings() -> list[Finding]:
+    """A WARN for each VLLM_MLA_FIXES* variable whose value is not allowed
+    (the plugin ignores it), a note for each name no setting has."""
+    return [
+        Finding("warn", "settings", reading.describe(), "give it an allowed value, or unset it")
+        if reading.setting is not None
+        else Finding("info", "settings", reading.describe())
+        for reading in settings.readings()
+        if not reading.valid
+    ]
 
 
 def line_arguments(serve_args: list[str]) -> list[str]:
@@ -390,6 +408,9 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
                 raise DoctorInputError(_no_model(serve_line.default_model()))
             built = serve_line.check_configs(args)
             serve_line.check_engine_args(args)
+            local_model = serve_line.names_local_model(args.model)
+            if local_model:
+                serve_line.check_engine_config(args)
         except serve_line.Rejected as exc:
             return Finding(
                 "error",
@@ -398,11 +419,16 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
                 "correct the line: `vllm serve` stops on it too",
             )
     checked = f", its {', '.join(built)}" if built else ""
+    model_checked = (
+        ", and its engine config built from the model's config"
+        if local_model
+        else " (the model's own config is checked when vLLM starts)"
+    )
     return Finding(
         "ok",
         "serve line",
         f"vLLM {vllm_version}'s `vllm serve` parser{checked} and its engine arguments "
-        "accept this line (the model's own config is checked when vLLM starts)",
+        f"accept this line{model_checked}",
     )
 
 

@@ -55,9 +55,9 @@ def newest_release(index_url: str = wheel.DEFAULT_INDEX) -> str:
         raise ReviewError(str(exc)) from exc
     versions = set()
     for entry in files:
-        name = entry.get("filename", "")
-        if not name.endswith(".whl") or entry.get("yanked"):
-            continue
+        name = entry.get("filename")
+        if not isinstance(name, str) or not name.endswith(".whl") or entry.get("yanked"):
+            continue  # no file name, not a wheel's, or withdrawn
         try:
             version = parse_wheel_filename(name)[1]
         except InvalidWheelFilename:
@@ -175,10 +175,16 @@ def _reference(known: dict[str, str], against: str | None) -> tuple[dict[str, st
     return dict(known), max(releases, key=Version) if releases else None
 
 
+# A module of the wheel that cannot be parsed (a syntax error, bytes that are
+# not UTF-8) holds no definition the review can find: "missing", and the
+# source screen says why.
+UNPARSABLE = (TargetMismatch, SyntaxError, ValueError)
+
+
 def _fingerprint_or_none(module: str, qualname: str) -> str | None:
     try:
         return patching.definition_fingerprint(module, qualname)
-    except TargetMismatch:
+    except UNPARSABLE:
         return None
 
 
@@ -214,7 +220,7 @@ def review_fix(module: ModuleType, version: str, against: str | None) -> FixRevi
 def _source_lines(module: str, qualname: str) -> list[str]:
     try:
         return (patching.definition_source(module, qualname).rstrip("\n") + "\n").splitlines(True)
-    except TargetMismatch:  # gone: the diff shows it removed
+    except UNPARSABLE:  # gone, or unreadable: the diff shows it removed
         return []
 
 

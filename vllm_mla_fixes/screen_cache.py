@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,11 +38,15 @@ CACHE_DIR_ENV = settings.CACHE_DIR.name
 
 
 def cache_dir() -> Path:
+    """The configured folder, else the default; raises OSError where no
+    absolute default can be found (no home folder)."""
     configured = settings.value(settings.CACHE_DIR)
     if configured is not None:
         return configured
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vllm-mla-fixes" / "screens"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path(os.path.expanduser("~"), ".cache"))
+    if not base.is_absolute():  # "~" unresolved, or a relative XDG_CACHE_HOME
+        raise OSError(f"no absolute cache folder: {str(base)!r}")
+    return base / "vllm-mla-fixes" / "screens"
 
 
 def source_file(module_name: str) -> Path | None:
@@ -112,9 +117,9 @@ def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | No
         return screen()
     try:
         key = screen_key(fix)
-    except OSError:  # a file cannot be read: no key, so no cache
+        entry = cache_dir() / f"{fix.INFO.name}-{key[:32]}.json"
+    except OSError:  # a file cannot be read, or no cache folder: no cache
         return screen()
-    entry = cache_dir() / f"{fix.INFO.name}-{key[:32]}.json"
     try:
         stored = json.loads(entry.read_text(encoding="utf-8"))
         if stored.get("key") == key and set(stored) == {"key", "verdict"}:
@@ -126,9 +131,28 @@ def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | No
     verdict = screen()
     try:
         _store(entry, {"key": key, "verdict": verdict})
-    except OSError:
-        pass
+    except OSError as exc:
+        _warn_unwritable(entry.parent, exc)
     return verdict
+
+
+_warned_folders: set[Path] = set()
+
+
+def _warn_unwritable(folder: Path, exc: OSError) -> None:
+    """Once per folder and process, where the operator chose the folder
+    (an unusable default is the usual read-only home: the fixes work without it)."""
+    if not os.environ.get(CACHE_DIR_ENV, "").strip() or folder in _warned_folders:
+        return
+    _warned_folders.add(folder)
+    logging.getLogger("vllm.mla_fixes").warning(
+        "vllm-mla-fixes: %s=%r cannot be written (%s: %s); the fixes work without the "
+        "cache, each vLLM process screening vLLM's sources itself",
+        CACHE_DIR_ENV,
+        str(folder),
+        type(exc).__name__,
+        exc.strerror or exc,
+    )
 
 
 def _store(entry: Path, payload: dict) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,7 +103,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     except SystemExit as exc:  # argparse's parser.error(): usage and message on stderr
         message = _said(said.getvalue()) or f"vllm serve exits with status {exc.code}"
         raise Rejected(message) from None
-    except (ValueError, TypeError, OSError) as exc:  # e.g. an unreadable --config file
+    except Exception as exc:  # e.g. an unreadable --config file, a YAML error in it
         raise Rejected(f"{type(exc).__name__}: {exc}") from exc
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
@@ -175,7 +176,7 @@ def check_configs(args: argparse.Namespace) -> list[str]:
             continue
         try:
             config_class(**given)
-        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        except Exception as exc:  # pydantic's ValidationError is a ValueError
             raise Rejected(_validation_message(exc, class_name, given)) from exc
         built.append(class_name)
     return built
@@ -191,6 +192,48 @@ def check_engine_args(args: argparse.Namespace) -> None:
         AsyncEngineArgs.from_cli_args(args)
     except Exception as exc:  # vllm serve stops on whatever it raises
         raise Rejected(f"{type(exc).__name__}: {exc}") from exc
+
+
+def names_local_model(model: str | None) -> bool:
+    """Whether vLLM reads the model from this machine's files: a path that
+    exists, or one no hub repository id can be (vLLM then says it is missing)."""
+    if not model:
+        return False
+    return model.startswith(("/", ".", "~")) or os.path.exists(model)
+
+
+def check_engine_config(args: argparse.Namespace) -> None:
+    """``create_engine_config()``, as ``vllm serve`` calls it before the
+    engine starts: the model's config read by the release's own reader
+    (transformers' AutoConfig through vLLM's), its heads against the
+    tensor-parallel size, the speculative method.  :class:`Rejected` with
+    what it raises.  Only for a model on this machine: a hub model would be
+    fetched.  The environment is restored after it (vLLM sets variables)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    saved = dict(os.environ)
+    try:
+        AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    except Exception as exc:  # vllm serve stops on whatever it raises
+        raise Rejected(_raised(exc)) from exc
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _raised(exc: Exception) -> str:
+    """What vLLM raised, in its words: a pydantic ValidationError as its
+    class and each error's message (without pydantic's input dump and link)."""
+    errors = getattr(exc, "errors", None)
+    title = getattr(exc, "title", None)
+    if not (callable(errors) and title):
+        return f"{type(exc).__name__}: {exc}"
+    said = []
+    for error in errors():
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        said.append(f"{title}: {where + ': ' if where else ''}{message}")
+    return "; ".join(said)
 
 
 def engine_args(serve_argv: list[str]) -> Any:

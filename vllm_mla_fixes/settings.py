@@ -13,8 +13,11 @@ raises for a bad value: the plugin's start-up path reads these.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import pwd
+import stat
 import textwrap
 import threading
 from collections.abc import Callable, Mapping
@@ -100,9 +103,58 @@ def _cache_folder(raw: str) -> Path:
         raise ValueError(str(exc)) from exc
     if not path.is_absolute():
         raise ValueError("a relative path would differ between vLLM's processes")
-    if path.exists() and not path.is_dir():
-        raise ValueError("it exists and is not a folder")
+    _check_writable_folder(path)
     return path
+
+
+def _check_writable_folder(path: Path) -> None:
+    """ValueError unless this process could keep files in ``path``: the
+    nearest part of it that exists is a folder it may write in, and the
+    names below it fit that file system.  Decided the same whether or not
+    the missing folders were created meanwhile; every OSError becomes the
+    reason: a cache folder that cannot be used must never stop plugin load."""
+    for part in (path, *path.parents):
+        try:
+            mode = os.stat(part).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there (yet): the part above it decides
+        except OSError as exc:  # a name too long, a parent it may not look into
+            raise ValueError(f"it cannot be looked up: {_os_reason(exc)}") from None
+        if not stat.S_ISDIR(mode):
+            raise ValueError(
+                "it exists and is not a folder" if part == path else f"{str(part)!r} is a file"
+            )
+        if not os.access(part, os.W_OK | os.X_OK):
+            raise ValueError(f"this user ({_user()}) may not write in {str(part)!r}")
+        _check_names_fit(path, part)
+        return
+
+
+def _check_names_fit(path: Path, existing: Path) -> None:
+    """The folders still to be created fit the file system ``existing`` is on."""
+    try:
+        longest_name = os.pathconf(existing, "PC_NAME_MAX")
+        longest_path = os.pathconf(existing, "PC_PATH_MAX")
+        encoded = os.fsencode(path)
+        names = [os.fsencode(name) for name in path.relative_to(existing).parts]
+    except (OSError, ValueError) as exc:  # UnicodeEncodeError: no file name holds it
+        raise ValueError(f"it cannot be a file name here: {exc}") from None
+    if len(encoded) >= longest_path:
+        raise ValueError(f"it is {len(encoded)} bytes long; paths here end at {longest_path - 1}")
+    if any(len(name) > longest_name for name in names):
+        raise ValueError(f"a name in it is longer than the {longest_name} bytes names here may be")
+
+
+def _os_reason(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0)
+    return f"{exc.strerror} ({name})" if exc.strerror and name else str(exc)
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid with no passwd entry, as in many containers
+        return f"uid {os.getuid()}"
 
 
 FIXES = Setting(
@@ -132,7 +184,7 @@ DSV41_DRAFTER_SWA_ROWS = Setting(
 )
 CACHE_DIR = Setting(
     name=f"{PREFIX}_CACHE_DIR",
-    allowed_values="an absolute path of a folder (created when missing)",
+    allowed_values="an absolute path of a folder this user may write in (created when missing)",
     default="$XDG_CACHE_HOME/vllm-mla-fixes/screens, else ~/.cache/vllm-mla-fixes/screens",
     meaning="where the plugin keeps its source-screen verdicts between processes",
     parse=_cache_folder,
@@ -157,15 +209,16 @@ class Reading:
 
     def describe(self) -> str:
         """One line: the value in force, or what is wrong and what applies instead."""
+        shown = _shown(self.raw)
         if self.setting is None:
             return (
-                f"{self.name}={self.raw!r}: not a setting of vllm-mla-fixes, which reads "
+                f"{self.name}={shown}: not a setting of vllm-mla-fixes, which reads "
                 f"{', '.join(s.name for s in SETTINGS)}"
             )
         if self.problem is None:
-            return f"{self.name}={self.raw!r}"
+            return f"{self.name}={shown}"
         return (
-            f"{self.name}={self.raw!r} is not allowed ({self.problem}); allowed: "
+            f"{self.name}={shown} is not allowed ({self.problem}); allowed: "
             f"{self.setting.allowed}; ignored, so the default applies: {self.setting.default}"
         )
 
@@ -179,6 +232,17 @@ class Reading:
             "allowed": self.setting.allowed if self.setting else None,
             "default": self.setting.default if self.setting else None,
         }
+
+
+SHOWN_CHARACTERS = 120
+
+
+def _shown(raw: str) -> str:
+    """A value as one readable line: repr (no control or unencodable
+    characters reach a log), cut where it is longer than a line."""
+    if len(raw) <= SHOWN_CHARACTERS:
+        return repr(raw)
+    return f"{raw[:SHOWN_CHARACTERS]!r}... ({len(raw)} characters)"
 
 
 def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading | None:

@@ -10,9 +10,15 @@ library only, so it runs anywhere an operator has Python.
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
 import json
+import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -35,42 +41,53 @@ class Exchange:
         return f"{self.kind}{' (stream)' if self.stream else ''} {self.prompt!r}"
 
 
+REDACTED = "***"
+
+
 @dataclass
 class SmokeResult:
     url: str
     model: str | None = None
     problems: list[str] = field(default_factory=list)
     exchanges: list[Exchange] = field(default_factory=list)
+    secrets: tuple[str, ...] = ()  # never shown: every text of the report is redacted
 
     @property
     def ok(self) -> bool:
         return not self.problems and all(e.problem is None for e in self.exchanges)
 
+    def _redacted(self, text: str | None) -> str | None:
+        for secret in self.secrets:
+            if text is not None:
+                text = text.replace(secret, REDACTED).replace(repr(secret)[1:-1], REDACTED)
+        return text
+
     def as_json(self) -> dict:
         return {
             "url": self.url,
-            "model": self.model,
+            "model": self._redacted(self.model),
             "ok": self.ok,
-            "problems": self.problems,
+            "problems": [self._redacted(p) for p in self.problems],
             "exchanges": [
                 {
                     "kind": e.kind,
                     "prompt": e.prompt,
                     "stream": e.stream,
-                    "text": e.text,
-                    "problem": e.problem,
+                    "text": self._redacted(e.text),
+                    "problem": self._redacted(e.problem),
                 }
                 for e in self.exchanges
             ],
         }
 
     def text(self) -> str:
-        lines = [f"smoke {self.url} model {self.model or '?'}"]
-        lines += [f"  FAIL {p}" for p in self.problems]
+        lines = [f"smoke {self.url} model {self._redacted(self.model) or '?'}"]
+        lines += [f"  FAIL {self._redacted(p)}" for p in self.problems]
         for e in self.exchanges:
+            problem = self._redacted(e.problem)
             lines.append(
-                f"  {'ok  ' if e.problem is None else 'FAIL'} {e.label}: "
-                f"{e.problem + ': ' if e.problem else ''}{e.text!r}"
+                f"  {'ok  ' if problem is None else 'FAIL'} {e.label}: "
+                f"{problem + ': ' if problem else ''}{self._redacted(repr(e.text))}"
             )
         lines.append("verdict: " + ("PASS" if self.ok else "FAIL"))
         return "\n".join(lines)
@@ -84,26 +101,96 @@ class DeadlinePassed(Exception):
     """The overall deadline passed before or while a request ran."""
 
 
+class _Watchdog:
+    """Ends every connection still open when the overall deadline passes:
+    a server that drips its headers or body a byte at a time never lets a
+    per-read timeout fire, so the deadline is kept by shutting the socket
+    down under the blocked read (which then returns at once)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = threading.Event()
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.add(sock)
+        if self.expired.is_set():
+            self._shut(sock)
+
+    def _expire(self) -> None:
+        self.expired.set()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            self._shut(sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # closed already: the request had ended
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+
+def _watched_handlers(watchdog: _Watchdog) -> list[urllib.request.BaseHandler]:
+    """urllib's HTTP and HTTPS handlers, whose connections the watchdog sees
+    (proxies from the environment still apply, as with plain urlopen)."""
+
+    class WatchedHTTP(http.client.HTTPConnection):
+        def connect(self) -> None:
+            super().connect()
+            watchdog.watch(self.sock)
+
+    class WatchedHTTPS(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            super().connect()
+            watchdog.watch(self.sock)
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(WatchedHTTP, req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(WatchedHTTPS, req)
+
+    return [HTTPHandler(), HTTPSHandler()]
+
+
 class _Client:
     def __init__(self, base: str, api_key: str | None, timeout: float, deadline: float):
-        self.base = base.rstrip("/")
+        parts = urllib.parse.urlsplit(base.rstrip("/"))
+        # user:password in the URL is sent as HTTP basic auth, never in the URL
+        self.base = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+        elif parts.username is not None:
+            user_password = f"{parts.username}:{parts.password or ''}"
+            self.headers["Authorization"] = "Basic " + base64.b64encode(
+                urllib.parse.unquote(user_password).encode()
+            ).decode("ascii")
         self.timeout = timeout
         self.deadline = deadline
         self.deadline_at = time.monotonic() + deadline
+        self.watchdog = _Watchdog(deadline)
+        self.opener = urllib.request.build_opener(*_watched_handlers(self.watchdog))
         self.waited = timeout  # the socket timeout of the latest request
         self.limit = "--timeout"  # which limit set it
 
     def check_deadline(self) -> None:
-        if time.monotonic() >= self.deadline_at:
+        if self.watchdog.expired.is_set() or time.monotonic() >= self.deadline_at:
             raise DeadlinePassed
 
     def request(self, path: str, body: dict | None = None):
+        self.check_deadline()
         left = self.deadline_at - time.monotonic()
-        if left <= 0:
-            raise DeadlinePassed
+        # every read waits at most this long; the watchdog bounds the whole
         self.waited, self.limit = (
             (self.timeout, "--timeout") if self.timeout <= left else (left, "--deadline")
         )
@@ -114,20 +201,23 @@ class _Client:
             headers=self.headers,
             method="GET" if body is None else "POST",
         )
-        return urllib.request.urlopen(req, timeout=self.waited)
+        return self.opener.open(req, timeout=self.waited)
 
     def describe(self, exc: Exception) -> str:
-        if isinstance(exc, urllib.error.HTTPError):
-            detail = exc.read().decode("utf-8", "replace")[:300]
-            return f"HTTP {exc.code}: {detail}"
-        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        if isinstance(reason, TimeoutError):
-            return f"stalled: no answer within {self.waited:.3g} s ({self.limit})"
-        if isinstance(exc, DeadlinePassed):
+        if isinstance(exc, DeadlinePassed) or self.watchdog.expired.is_set():
             return (
                 f"stalled: the overall deadline ({self.deadline:g} s, --deadline) passed "
                 "before the answer ended"
             )
+        if isinstance(exc, urllib.error.HTTPError):
+            try:
+                detail = exc.read(300).decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException):  # the error's body broke off
+                detail = ""
+            return f"HTTP {exc.code}: {detail}"
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if isinstance(reason, TimeoutError):
+            return f"stalled: no answer within {self.waited:.3g} s ({self.limit})"
         if isinstance(exc, urllib.error.URLError):
             return f"cannot connect: {exc.reason}"
         if isinstance(exc, BadAnswer):
@@ -208,6 +298,7 @@ def _exchange(
                 raw = response.read()
                 choices = _choices(_json(raw, "the answer"))
                 exchange.text = "".join(_text_of(c, kind, False) for c in choices)
+        client.check_deadline()  # an answer that ended only after the deadline is not ok
     except Exception as exc:  # DeadlinePassed too: it stalled part-way
         exchange.problem = client.describe(exc)
         return exchange
@@ -236,31 +327,42 @@ def run(
     timeout: float = 120.0,
     deadline: float = DEFAULT_DEADLINE,
 ) -> SmokeResult:
-    """Every check, within ``timeout`` seconds per request and ``deadline``
-    seconds in all: requests the deadline leaves no time for are not run."""
+    """Every check, within ``timeout`` seconds per read and ``deadline``
+    seconds in all (a wall-clock bound: requests the deadline leaves no time
+    for are not run, and one still running then is ended)."""
     client = _Client(url, api_key, timeout, deadline)
-    result = SmokeResult(client.base)
+    result = SmokeResult(redact_url(url.rstrip("/")), secrets=_secrets(url, api_key))
+    try:
+        _check(client, result, model, max_tokens)
+    finally:
+        client.watchdog.stop()
+    return result
+
+
+def _check(client: _Client, result: SmokeResult, model: str | None, max_tokens: int) -> None:
     try:
         with client.request("/health") as response:
             if response.status != 200:
                 result.problems.append(f"/health answered {response.status}, not 200")
+        client.check_deadline()
     except Exception as exc:
         result.problems.append(f"/health: {client.describe(exc)}")
-        return result
+        return
     try:
         with client.request("/v1/models") as response:
             listed = _listed_models(_json(response.read(), "the answer"))
+        client.check_deadline()
     except Exception as exc:
         result.problems.append(f"/v1/models: {client.describe(exc)}")
-        return result
+        return
     if model is None:
         if not listed:
             result.problems.append("/v1/models lists no model")
-            return result
+            return
         model = listed[0]
     elif model not in listed:
         result.problems.append(f"model {model!r} is not listed by /v1/models ({listed})")
-        return result
+        return
     result.model = model
     planned = [
         (kind, prompt, stream)
@@ -274,8 +376,25 @@ def run(
         except DeadlinePassed:
             label = Exchange(kind, prompt, stream).label
             result.problems.append(
-                f"the overall deadline ({deadline:g} s, --deadline) passed: "
+                f"the overall deadline ({client.deadline:g} s, --deadline) passed: "
                 f"{len(planned) - done} of {len(planned)} requests not run, from {label} on"
             )
             break
-    return result
+
+
+def redact_url(url: str) -> str:
+    """``url`` without the password (or token) its user part may carry."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    shown = user.partition(":")[0] + (":***" if ":" in user else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{shown}@{host}"))
+
+
+def _secrets(url: str, api_key: str | None) -> tuple[str, ...]:
+    """What no message or report may show: the API key and the URL's password,
+    as given and as they travel (percent-encoded, in the header)."""
+    password = urllib.parse.urlsplit(url).password
+    found = {api_key, password, password and urllib.parse.unquote(password)}
+    return tuple(sorted((s for s in found if s and s.strip()), key=len, reverse=True))

@@ -26,12 +26,15 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import sys
+import time
 import urllib.parse
 import urllib.request
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,9 +87,9 @@ def _pick_wheel(files: list[dict], release: str) -> dict:
         raise WheelBuildError(f"{release!r} is not a release number (e.g. 0.25.1)") from None
     candidates = {}
     for entry in files:
-        name = entry.get("filename", "")
+        name = entry.get("filename")
         if not isinstance(name, str) or not name.endswith(".whl"):
-            continue
+            continue  # no file name, or not a wheel's: not a candidate
         try:
             _, ver, _, tags = parse_wheel_filename(name)
         except InvalidWheelFilename:
@@ -115,14 +118,20 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
     """Download vLLM ``release`` (or reuse a cached copy) and check it against the
     sha256 the index publishes; refuse on any mismatch."""
     entry = _pick_wheel(_index_files(index_url), release)
-    expected = (entry.get("hashes") or {}).get("sha256")
-    if not expected:
+    name = entry["filename"]  # a wheel's file name: _pick_wheel takes no other
+    hashes = entry.get("hashes")
+    expected = hashes.get("sha256") if isinstance(hashes, dict) else None
+    if not (isinstance(expected, str) and re.fullmatch(r"[0-9a-fA-F]{64}", expected)):
         raise WheelBuildError(
-            f"the index publishes no sha256 for {entry['filename']}; refusing "
+            f"the index publishes no sha256 for {name} (hashes: {hashes!r:.80}); refusing "
             "an unverifiable download"
         )
+    expected = expected.lower()
+    if not isinstance(entry.get("url"), str):
+        raise WheelBuildError(f"the index gives no URL for {name} (url: {entry.get('url')!r:.80})")
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / entry["filename"]
+    atomic.remove_stale_temporaries(cache)
+    target = cache / name
     if not (target.exists() and _sha256(target) == expected):
         url = urllib.parse.urljoin(f"{index_url.rstrip('/')}/vllm/", entry["url"])
         # One temporary file per process (two builds downloading at once must not
@@ -224,19 +233,28 @@ def upstream_version(upstream_wheel: Path) -> Version:
     return version
 
 
-def build(upstream_wheel: Path, out_dir: Path, build_number: int | None = None) -> Path:
+def build(
+    upstream_wheel: Path,
+    out_dir: Path,
+    build_number: int | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> Path:
     """Write the patched wheel into ``out_dir`` and return its path.  Any
     failure or interruption leaves ``out_dir`` as it was: no file under the
-    final name, an earlier wheel of that name intact, no folder created."""
+    final name, an earlier wheel of that name intact, no folder created.
+    The same input gives the same bytes (:func:`added_file_time`)."""
     if build_number is not None and build_number < 0:
         raise WheelBuildError(f"the build number must be 0 or more, not {build_number}")
     version = upstream_version(upstream_wheel)
     new_version = _patched_version(version, build_number)
     tags = upstream_wheel.name[: -len(".whl")].split("-", 2)[2]
     target = out_dir / f"vllm-{new_version}-{tags}.whl"
-    with atomic.folder(out_dir), atomic.replacing(target) as partial:
-        _write_patched(upstream_wheel, partial, version, new_version)
-        check_wheel(partial, new_version)
+    # One build at a time per folder: a second waits, then writes the same bytes.
+    with atomic.folder(out_dir), atomic.folder_lock(out_dir, on_wait=log):
+        atomic.remove_stale_temporaries(out_dir, log)
+        with atomic.replacing(target) as partial:
+            _write_patched(upstream_wheel, partial, version, new_version)
+            check_wheel(partial, new_version)
     return target
 
 
@@ -264,6 +282,43 @@ def check_wheel(path: Path, version: str) -> None:
         raise WheelBuildError(f"{path.name}: METADATA does not carry version {version}")
 
 
+EARLIEST_ZIP_TIME = 315532800  # 1980-01-01 00:00:00 UTC, the first time a zip entry can hold
+
+
+def added_file_time() -> tuple[int, int, int, int, int, int]:
+    """The time stamp of every file the build adds (this package, RECORD):
+    $SOURCE_DATE_EPOCH where set (reproducible-builds.org), else 1980-01-01,
+    never the clock, so the same input gives the same bytes.  Upstream's
+    files keep upstream's time stamps."""
+    raw = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    try:
+        epoch = max(int(raw), EARLIEST_ZIP_TIME) if raw else EARLIEST_ZIP_TIME
+    except ValueError:
+        raise WheelBuildError(
+            f"SOURCE_DATE_EPOCH={raw!r:.40} is not a whole number of seconds since 1970"
+        ) from None
+    return time.gmtime(min(epoch, 4354819199))[:6]  # a zip entry's last year is 2107
+
+
+def _read_entry(source: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    try:
+        return source.read(info)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
+        raise WheelBuildError(
+            f"{Path(str(source.filename)).name}: {info.filename} cannot be read ({exc}); "
+            "download the wheel again"
+        ) from exc
+
+
+def _text(data: bytes, arcname: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WheelBuildError(
+            f"{arcname} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+
+
 def _write_patched(
     upstream_wheel: Path, target: Path, upstream_version: Version, new_version: str
 ) -> None:
@@ -274,6 +329,7 @@ def _write_patched(
     except zipfile.BadZipFile as exc:
         raise WheelBuildError(f"{upstream_wheel} is not a valid wheel (zip) file: {exc}") from exc
     record: list[tuple[str, str, str]] = []
+    added_time = added_file_time()
     with (
         atomic.interruptions_between_steps() as stop_if_signalled,
         source,
@@ -282,9 +338,7 @@ def _write_patched(
 
         def store(arcname: str, data: bytes, like: zipfile.ZipInfo | None = None) -> None:
             stop_if_signalled()  # between entries: zipfile cannot unwind from inside one
-            entry = zipfile.ZipInfo(
-                arcname, date_time=like.date_time if like else (1980, 1, 1, 0, 0, 0)
-            )
+            entry = zipfile.ZipInfo(arcname, date_time=like.date_time if like else added_time)
             entry.external_attr = like.external_attr if like else 0o644 << 16
             entry.compress_type = zipfile.ZIP_DEFLATED
             patched.writestr(entry, data)
@@ -298,15 +352,15 @@ def _write_patched(
         for info in source.infolist():
             if info.is_dir() or info.filename == old_info + "RECORD":
                 continue  # RECORD is rewritten below from what is stored
-            data = source.read(info)
+            data = _read_entry(source, info)
             arcname = info.filename
             if arcname.startswith(old_info):
                 arcname = new_info + arcname[len(old_info) :]
                 leaf = arcname[len(new_info) :]
                 if leaf == "METADATA":
-                    data = _with_version(data.decode(), new_version).encode()
+                    data = _with_version(_text(data, info.filename), new_version).encode()
                 elif leaf == "entry_points.txt":
-                    data = _with_entry_points(data.decode()).encode()
+                    data = _with_entry_points(_text(data, info.filename)).encode()
                 elif leaf == "top_level.txt":
                     data = data.rstrip(b"\n") + b"\nvllm_mla_fixes\n"
             store(arcname, data, info)
@@ -316,7 +370,10 @@ def _write_patched(
             store(arcname, data)
         text = io.StringIO()
         csv.writer(text, lineterminator="\n").writerows([*record, (new_info + "RECORD", "", "")])
-        patched.writestr(new_info + "RECORD", text.getvalue())
+        record_entry = zipfile.ZipInfo(new_info + "RECORD", date_time=added_time)
+        record_entry.external_attr = 0o644 << 16
+        record_entry.compress_type = zipfile.ZIP_DEFLATED
+        patched.writestr(record_entry, text.getvalue())
 
 
 def run(
@@ -339,7 +396,7 @@ def run(
             source = download_verified(vllm_release, index_url)
         else:
             raise WheelBuildError("give --vllm-wheel PATH or --vllm VERSION")
-        target = build(source, Path(out_dir), build_number)
+        target = build(source, Path(out_dir), build_number, log)
     except WheelBuildError as exc:
         log(f"vllm-mla-fixes build-wheel: error: {exc}")
         return 1

@@ -12,7 +12,11 @@ cache decodes), ``empty`` (no text), ``error`` (HTTP 500 on generation),
 answers), ``trickle`` (streamed answers never end: one event every 0.2 s),
 ``models-not-json`` and ``models-null`` (/v1/models answers ``not json`` or
 ``{"data": [null]}``), ``answers-not-json`` and ``choices-null`` (generation
-answers ``not json`` or ``{"choices": [null]}``).
+answers ``not json`` or ``{"choices": [null]}``), ``drip-headers`` (every
+answer's status line and headers one byte every 0.3 s), ``drip-body``
+(generation answers whole and correct, one byte every 0.05 s: each takes
+seconds), ``echo-auth`` (/v1/models answers 401 quoting the Authorization
+header it was sent, as a careless proxy does).
 """
 
 import json
@@ -37,11 +41,25 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        if MODE == "drip-headers":
+            head = f"HTTP/1.1 {status} OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            return self.drip(head + body, 0.3)
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        if MODE == "drip-body" and self.command == "POST":
+            return self.drip(body, 0.05)
         self.wfile.write(body)
+
+    def drip(self, data: bytes, seconds: float) -> None:
+        try:
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(seconds)
+        except OSError:  # the client gave up
+            return
 
     def stall(self) -> None:
         time.sleep(3600)  # the test kills the server long before
@@ -52,6 +70,9 @@ class Handler(BaseHTTPRequestHandler):
                 return self.stall()
             self.send(503 if MODE == "unhealthy" else 200, b"")
         elif self.path == "/v1/models":
+            if MODE == "echo-auth":
+                said = f"invalid key: {self.headers.get('Authorization')}"
+                return self.send(401, json.dumps({"error": said}).encode())
             if MODE == "models-not-json":
                 return self.send(200, b"not json")
             listed = [None] if MODE == "models-null" else [{"id": MODEL, "object": "model"}]
