@@ -35,7 +35,6 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, model_specs, ups
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import (
     DSPARK,
     OFFLOADING_CONNECTOR,
-    SM12X_MAJOR,
     EngineConfig,
     ModelLayout,
     engine_config,
@@ -131,8 +130,6 @@ def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
     """The decision for ``engine``; ``vllm_config`` is the config it was read
     from, handed to vLLM's spec producers and planner."""
     layout, layout_problem = _upstream_layout(engine)
-    if engine.capability is not None and engine.capability[0] != SM12X_MAJOR:
-        return _off_sm12x(engine, layout)
     if engine.forced_geometry is Geometry.PER_RATIO:
         return _fix_decision(
             engine, vllm_config, Geometry.PER_RATIO, f"{GEOMETRY_ENV}=per-ratio", 0, layout
@@ -158,23 +155,6 @@ def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
             candidate, reason=reason, evidence=evidence, upstream_tokens=planned
         )
     return _gain_rule(engine, vllm_config, candidate, layout, evidence)
-
-
-def _off_sm12x(engine: EngineConfig, layout: upstream.UpstreamLayout | None) -> Decision:
-    """Another device: vLLM's own layout, untouched."""
-    major, minor = engine.capability or (0, 0)
-    return Decision(
-        geometry=Geometry.UPSTREAM,
-        reason=f"not-needed: the device is SM{major}{minor}, not SM12x; vLLM's own layout",
-        unit=0,
-        backbone_swa_rows=UPSTREAM_SWA_BLOCK,
-        drafter_swa_rows=UPSTREAM_SWA_BLOCK,
-        drafter_rows_why="upstream's own sliding-window pages",
-        upstream=layout,
-        max_model_len=engine.max_model_len,
-        fix_tokens=None,
-        upstream_tokens=None,
-    )
 
 
 def _upstream_layout(engine: EngineConfig) -> tuple[upstream.UpstreamLayout | None, str]:

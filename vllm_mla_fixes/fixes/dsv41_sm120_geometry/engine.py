@@ -20,7 +20,6 @@ from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import Geometry
 
 DSPARK = "dspark"
-SM12X_MAJOR = 12  # SM120 (RTX PRO 6000) and SM121 (GB10)
 DEFAULT_DSPARK_LAYERS = 3
 """DSpark's drafter layer count where its config names none (vLLM's own default)."""
 
@@ -232,13 +231,6 @@ def _kv_record(cache_dtype: str) -> str:
     except Exception:  # noqa: BLE001 - a dtype vLLM refuses stays as written
         return cache_dtype
     return str(resolved)
-
-
-def on_sm12x() -> bool:
-    """Whether this process's device is SM12x; a process with no device
-    visible (``doctor``, CPU tests) decides as for one."""
-    capability, _ = _platform()
-    return capability is None or capability[0] == SM12X_MAJOR
 
 
 def _indexer_fp4(vllm_config: Any) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import model_specs
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import engine_config, on_sm12x
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import engine_config
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     PAGE_ROWS,
@@ -102,15 +102,16 @@ def _compare_with_description(layer: Any, spec: Any, vllm_config: Any) -> None:
 
 def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod:
     """The backend's kernel block sizes for a spec, a function of the spec
-    and the device alone (vLLM asks with no engine config in view): on SM12x,
-    64-state pages wherever the spec's block holds whole 64-state pages --
-    every layout the fix lays out, and upstream's own where it works there
-    (0.34.0's --block-size 64, which gets upstream's very answer) -- else
-    upstream's own answer, as on every other device and with no spec."""
+    alone (vLLM asks with no engine config in view): 64-state pages wherever
+    the spec's block holds whole 64-state pages -- every layout the fix lays
+    out, and upstream's own where it works on SM12x (0.34.0's --block-size
+    64, which gets upstream's very answer; the truth-table and multi-engine
+    tests hold every working upstream layout to it) -- else upstream's own
+    answer, as with no spec in view."""
 
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> Any:
         states = getattr(kv_cache_spec, "tokens_per_state", None)
-        if not isinstance(states, int) or states < 1 or not on_sm12x():
+        if not isinstance(states, int) or states < 1:
             return original(kv_cache_spec)
         if kv_cache_spec.block_size % (PAGE_ROWS * states):
             return original(kv_cache_spec)
