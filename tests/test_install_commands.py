@@ -80,7 +80,7 @@ def test_install_line_resolves(release, tmp_path):
     assert done.returncode == 0, f"`{dry}` exited {done.returncode}\n{said[-4000:]}"
     # pip: "Would install ... vllm-0.34.0 ..."; uv: " + vllm==0.34.0"
     assert re.search(rf"\bvllm(?:-|==){re.escape(release)}\b", said), said[-4000:]
-    assert re.search(r"\bvllm[-_]mla[-_]fixes(?:-|==)", said), said[-4000:]
+    assert re.search(r"\bvllm[-_]mla[-_]fixes(?:-\d| @ )", said), said[-4000:]
 
 
 @pytest.mark.vllm_release("0.34.0")
