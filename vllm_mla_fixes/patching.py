@@ -205,6 +205,12 @@ def sources_from(root: Path) -> Iterator[None]:
         vllm_source.cache_clear()
 
 
+def sources_root() -> Path | None:
+    """The folder :func:`sources_from` reads instead of the installed
+    packages, or None."""
+    return _source_root
+
+
 @functools.cache
 def vllm_source(module_name: str) -> tuple[str, ast.Module]:
     """Text and syntax tree of a vLLM module, read from the installed files

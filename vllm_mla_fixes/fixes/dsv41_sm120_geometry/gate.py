@@ -204,9 +204,30 @@ def source_screen() -> None:
     _check_swa_call_site()
 
 
+_split_screens: dict[str, str | None] = {}
+"""split_unreviewed's verdicts in this process, keyed by the content key of
+every file and table it reads (``screen_cache.screen_key``)."""
+
+
 def split_unreviewed() -> str | None:
     """Why the interleaved split cannot be used with the installed vLLM (one
-    of its targets is not the reviewed code), or None."""
+    of its targets is not the reviewed code), or None.  Parsing the sources
+    takes about 0.6 s; the verdict is kept under the content key of what it
+    read, so a changed file or table is screened again."""
+    from vllm_mla_fixes.screen_cache import screen_key
+
+    if patching.sources_root() is not None:  # screening another tree (review)
+        return _screen_split_targets()
+    try:
+        key = screen_key(sys.modules[__name__])
+    except OSError:
+        return _screen_split_targets()
+    if key not in _split_screens:
+        _split_screens[key] = _screen_split_targets()
+    return _split_screens[key]
+
+
+def _screen_split_targets() -> str | None:
     for key in sorted(SPLIT_TARGETS):
         try:
             patching.require_fingerprint(*key, REVIEWED[key])
