@@ -356,16 +356,12 @@ KNOWN = {
     ("0.32.0 no line", "gpu_wording"),
     ("0.32.0 DSV4.1 block 64", "gpu_wording"),
     ("0.32.0 DSV4.1 block 64, fixes off", "gpu_wording"),
-    ("0.32.0 DSV4.1 block 64, fixes off", "geometry_agrees_with_verdict"),
     ("0.32.0 DSV4.1 block 64, fixes off", "commands_run_or_say_where"),
     ("0.33.0 DSV4.1 block 128", "gpu_wording"),
     ("0.33.0 DSV4.1 docs line offline", "gpu_wording"),
-    ("0.33.0 DSV4.1 docs line offline", "commands_run_or_say_where"),
     ("0.34.0 no line", "gpu_wording"),
     ("0.34.0 DSV4.1 block 64", "gpu_wording"),
-    ("0.34.0 DSV4.1 block 64", "capacity_figures_agree"),
     ("0.34.0 DSV4.1 block 128 DSpark", "gpu_wording"),
-    ("0.34.0 DSV4.1 block 128 DSpark", "capacity_figures_agree"),
 }
 
 
