@@ -142,6 +142,12 @@ def test_the_first_screen_of_the_readme():
     for fix in ("fp8-ds-mla-reshape", "fa4-compile-strides", "dsv41-sm120-geometry"):
         assert fix in first
     assert "No fix has been run on a GPU by this project" in first  # the hardware caveat
-    assert "pip install vllm-mla-fixes" in first
+    # install from a checkout or a git URL: there is nothing on PyPI, no public repository
+    assert "pip install /path/to/vllm-mla-fixes" in first and 'pip install "git+<URL' in first
+    assert "There is no PyPI release and no public repository yet" in first
     assert "Nothing changes: run `vllm serve` with the same flags" in first
+    # the harness is the developers', with what it needs
     assert "nox -t verify" in first and "nox -s lint && nox" in first
+    harness = first[first.index("## For developers") :]
+    assert "an operator needs neither" in harness
+    assert all(need in harness for need in ("Python 3.11", "27 GB of disk", "half an hour"))

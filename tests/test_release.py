@@ -60,7 +60,7 @@ def test_release_workflow_publishes_by_trusted_publishing_only():
     pypi_job = workflow[workflow.index("\n  pypi:") :]
     assert "id-token: write" in pypi_job and "uses: pypa/gh-action-pypi-publish@" in pypi_job
     # nothing is published unless every check passed and the GitHub release exists
-    assert "needs: [build, check, github]" in pypi_job
+    assert "needs: [lint, tests, build, check, github]" in pypi_job
     assert "secrets." not in workflow and "password" not in workflow  # no stored token
 
 

@@ -1,11 +1,15 @@
-"""The GitHub workflows: no job on a self-hosted runner can run for a fork's
-pull request, and CI on GitHub-hosted runners runs what .ci/run runs first.
+"""The GitHub workflows: no job on a self-hosted runner can run for a pull
+request, the release publishes only after the lint and every test, and CI on
+GitHub-hosted runners runs what .ci/run runs first.
 
-A job's ``if:`` is a GitHub Actions expression; it is evaluated here, with a
-small evaluator of that expression language, in the context of a pull request
-from a fork that carries every label the workflow names (a maintainer may
-label a fork's pull request).  A self-hosted job of a workflow that a pull
-request can trigger must evaluate to false there."""
+A pull request's run takes the workflow files of the pull request itself, so
+a guard in a workflow's ``if:`` binds nobody who can edit it: a workflow with a
+self-hosted job has no trigger a pull request (or a comment, or a run a pull
+request started) can fire, and pushes only to protected branches.  The
+repository settings that stop a pull request from adding such a job are in
+SECURITY.md.  Each ``if:`` is still evaluated here, as a second layer, with a
+small evaluator of the Actions expression language, in the context of a
+pull request from a fork that carries every label the workflow names."""
 
 from __future__ import annotations
 
@@ -226,10 +230,100 @@ def test_no_self_hosted_job_runs_for_a_forks_pull_request():
     assert {f.name for f in files} >= {"ci.yml", "gpu-regression.yml", "release.yml"}
     found = {f.name: self_hosted_jobs_open_to_forks(f.read_text()) for f in files}
     assert not any(found.values()), found
-    # the GPU jobs are the self-hosted ones, and a pull request can still reach them
+
+
+# The events a workflow with a self-hosted job may have, and the branches
+# whose pushes may start it (protected: every change there came through review).
+SELF_HOSTED_EVENTS = {"push", "schedule", "workflow_dispatch"}
+PROTECTED_BRANCHES = {"main"}
+
+
+def self_hosted_triggers_open_to_pull_requests(workflow_text: str) -> list[str]:
+    """A workflow with a self-hosted job: its triggers a pull request, its
+    author or anyone else outside can fire, whatever its jobs' ``if:`` say."""
+    workflow = yaml.safe_load(workflow_text)
+    jobs = (workflow.get("jobs") or {}).values()
+    if not any("self-hosted" in _labels(job.get("runs-on")) for job in jobs):
+        return []
+    triggers = _triggers(workflow)
+    problems = [f"on: {event}" for event in sorted(set(triggers) - SELF_HOSTED_EVENTS)]
+    push = triggers.get("push")
+    if "push" in triggers:
+        branches = set((push or {}).get("branches") or [])
+        if not branches or branches - PROTECTED_BRANCHES or (push or {}).get("tags"):
+            problems.append(f"on: push {push!r}, not only to {sorted(PROTECTED_BRANCHES)}")
+    return problems
+
+
+def test_no_workflow_runs_a_self_hosted_job_for_a_pull_request_event():
+    found = {
+        f.name: self_hosted_triggers_open_to_pull_requests(f.read_text()) for f in _workflow_files()
+    }
+    assert not any(found.values()), found
     gpu = yaml.safe_load((WORKFLOWS / "gpu-regression.yml").read_text())
-    assert "pull_request" in _triggers(gpu)
     assert "self-hosted" in _labels(gpu["jobs"]["gpu"]["runs-on"])
+    assert set(_triggers(gpu)) == SELF_HOSTED_EVENTS  # the GPU jobs still run
+
+
+@pytest.mark.parametrize(
+    ("on", "open_to_pull_requests"),
+    [
+        ("  pull_request:\n", True),  # whatever the job's if: says
+        ("  pull_request_target:\n", True),
+        ("  issue_comment:\n", True),
+        ("  workflow_run:\n    workflows: [ci]\n", True),
+        ("  push:\n", True),  # every branch
+        ("  push:\n    branches: [main, 'feature/*']\n", True),
+        ("  push:\n    branches: [main]\n  schedule:\n    - cron: '0 3 * * *'\n", False),
+        ("  workflow_dispatch:\n", False),
+    ],
+)
+def test_the_trigger_check_tells_open_workflows_from_closed_ones(on, open_to_pull_requests):
+    text = (
+        f"on:\n{on}jobs:\n  gpu:\n    runs-on: [self-hosted, sm120]\n"
+        "    if: github.event_name != 'pull_request'\n    steps:\n      - run: nox\n"
+    )
+    assert bool(self_hosted_triggers_open_to_pull_requests(text)) is open_to_pull_requests
+
+
+def test_security_names_the_repository_settings_the_gpu_runners_rely_on():
+    security = " ".join((ROOT / "SECURITY.md").read_text().split())  # lines wrap anywhere
+    for setting in (
+        "Require approval for all external contributors",
+        "Runner groups",
+        "Selected workflows",
+        "gpu-regression.yml@refs/heads/main",
+        "Require a pull request before merging",
+    ):
+        assert setting in security, setting
+
+
+def _closure(jobs: dict, name: str) -> set[str]:
+    """Every job that ``name`` waits for, directly or not."""
+    needs = jobs[name].get("needs") or []
+    direct = {needs} if isinstance(needs, str) else set(needs)
+    return direct.union(*(_closure(jobs, n) for n in direct)) if direct else set()
+
+
+def test_the_release_publishes_only_after_the_lint_and_every_test():
+    release = yaml.safe_load((WORKFLOWS / "release.yml").read_text())
+    jobs = release["jobs"]
+    publishing = [
+        name
+        for name, job in jobs.items()
+        if (job.get("permissions") or {}).get("contents") == "write"
+        or (job.get("permissions") or {}).get("id-token") == "write"
+    ]
+    assert sorted(publishing) == ["github", "pypi"]
+    for name in publishing:
+        assert {"lint", "tests", "build", "check"} <= _closure(jobs, name), name
+    # the tests job is the whole suite: every release this project locks
+    locked = sorted(p.name[len("vllm-") : -len(".txt")] for p in (ROOT / "envs").glob("vllm-*.txt"))
+    tested = jobs["tests"]["strategy"]["matrix"]["vllm"]
+    assert sorted(tested) == locked
+    (run,) = [s["run"] for s in jobs["tests"]["steps"] if "nox" in s.get("run", "")[:3]]
+    assert run == 'nox --non-interactive -s "vllm-$RELEASE"'
+    assert "nox --non-interactive -s lint" in [s.get("run") for s in jobs["lint"]["steps"]]
 
 
 SELF_HOSTED_ON_PULL_REQUESTS = """
@@ -305,12 +399,16 @@ def test_ci_runs_the_lint_session_and_a_cpu_session_for_pushes_and_pull_requests
     assert ci["jobs"]["cpu-tests"]["needs"] == "lint"
 
 
-def test_ci_takes_actionlint_from_its_official_release_with_a_pinned_checksum():
+@pytest.mark.parametrize("workflow", ["ci.yml", "release.yml"])
+def test_lint_takes_actionlint_from_its_official_release_with_a_pinned_checksum(workflow):
     ci = yaml.safe_load((WORKFLOWS / "ci.yml").read_text())
-    assert re.fullmatch(r"\d+\.\d+\.\d+", ci["env"]["ACTIONLINT_VERSION"])
-    assert re.fullmatch(r"[0-9a-f]{64}", ci["env"]["ACTIONLINT_SHA256"])
+    linted = yaml.safe_load((WORKFLOWS / workflow).read_text())
+    assert re.fullmatch(r"\d+\.\d+\.\d+", linted["env"]["ACTIONLINT_VERSION"])
+    assert re.fullmatch(r"[0-9a-f]{64}", linted["env"]["ACTIONLINT_SHA256"])
+    pins = ("ACTIONLINT_VERSION", "ACTIONLINT_SHA256")
+    assert [linted["env"][p] for p in pins] == [ci["env"][p] for p in pins]  # one pin
     script = next(
-        s["run"] for s in ci["jobs"]["lint"]["steps"] if "rhysd/actionlint" in s.get("run", "")
+        s["run"] for s in linted["jobs"]["lint"]["steps"] if "rhysd/actionlint" in s.get("run", "")
     )
     assert "https://github.com/rhysd/actionlint/releases/download/" in script
     assert "sha256sum --check --strict" in script

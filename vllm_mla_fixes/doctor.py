@@ -29,6 +29,7 @@ from vllm_mla_fixes.report import (
     major_minor,
     plugins_advice,
     release_finding,
+    runs_elsewhere,
 )
 
 READY = "READY"
@@ -401,6 +402,7 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
     DoctorInputError when the line names no model."""
     from vllm_mla_fixes import serve_line
 
+    args = None
     with serve_line.cuda_device_type_while_parsing():
         try:
             args = serve_line.parse(argv)
@@ -412,6 +414,8 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
             if local_model:
                 serve_line.check_engine_config(args)
         except serve_line.Rejected as exc:
+            if args is not None and _offline(exc):
+                return _offline_finding(argv, args.model)
             return Finding(
                 "error",
                 "serve line",
@@ -429,6 +433,54 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
         "serve line",
         f"vLLM {vllm_version}'s `vllm serve` parser{checked} and its engine arguments "
         f"accept this line{model_checked}",
+    )
+
+
+# What huggingface_hub and its HTTP clients raise where the hub cannot be
+# reached: HF_HUB_OFFLINE=1, or no network.
+OFFLINE_ERRORS = frozenset(
+    {
+        "LocalEntryNotFoundError",
+        "OfflineModeIsEnabled",
+        "ConnectionError",
+        "ConnectError",
+        "ConnectTimeout",
+        "MaxRetryError",
+        "NameResolutionError",
+    }
+)
+LOCAL_MODEL_PLACEHOLDER = "<folder with the model's config.json>"
+
+
+def _offline(exc: BaseException) -> bool:
+    """Whether ``exc`` or what it was raised from says the hub cannot be reached."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in OFFLINE_ERRORS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _offline_finding(argv: list[str], model: str) -> Finding:
+    """The hub is out of reach: the line may well be right, doctor cannot read
+    the model's config; the same check with a local copy of it can."""
+    local = [
+        {
+            model: LOCAL_MODEL_PLACEHOLDER,
+            f"--model={model}": f"--model={LOCAL_MODEL_PLACEHOLDER}",
+        }.get(arg, arg)
+        for arg in argv
+    ]
+    return Finding(
+        "warn",
+        "model",
+        f"cannot check the model's config: offline (HF_HUB_OFFLINE or no network); pass a "
+        f"local path (the model's folder, or one holding just its config.json) in place of "
+        f"{model}; meanwhile the model is judged by its name",
+        f"vllm-mla-fixes doctor -- vllm serve {shlex.join(local)}".replace(
+            shlex.quote(LOCAL_MODEL_PLACEHOLDER), LOCAL_MODEL_PLACEHOLDER
+        ),
     )
 
 
@@ -525,6 +577,10 @@ def report(
     print_=print,
 ) -> int:
     """Print the report and its verdict; return the verdict's exit status."""
+    findings = [
+        dataclasses.replace(f, runs_elsewhere=f.runs_elsewhere or runs_elsewhere(f.advice))
+        for f in findings
+    ]
     judged = verdict(findings)
     if as_json:
         print_(
@@ -578,3 +634,5 @@ def _print_human(
         print_(f"  [{marks[f.level]}] {f.topic}: {f.message}")
         if f.advice:
             print_(f"         -> {f.advice}")
+        if f.runs_elsewhere:
+            print_(f"            where: {f.runs_elsewhere}")

@@ -47,6 +47,42 @@ class Finding:
     message: str
     advice: str = ""
     facts: dict[str, Any] | None = None  # machine-readable facts behind the message (doctor --json)
+    # Where the advice must run when not on this machine, and why (doctor fills
+    # it from ELSEWHERE); "" where a test runs it on a machine without a GPU.
+    runs_elsewhere: str = ""
+
+
+# Commands doctor may print that cannot run on the machine that runs doctor
+# as it is (no GPU, no network): the command's words, then where it must run
+# and why.  Every other command doctor prints is run by a test on a machine
+# without a GPU (tests/test_doctor_consistency.py names each one's test).
+ELSEWHERE = (
+    (
+        "flashinfer install-jit-cache-wheel",
+        "needs the network: it downloads the flashinfer-jit-cache shim and its provider from "
+        "FlashInfer's own wheel index, https://flashinfer.ai/whl, not PyPI; without it, it "
+        "exits 1: 'Could not resolve the flashinfer-jit-cache shim'",
+    ),
+    (
+        "flashinfer install-cubin-wheel",
+        "needs the network: it downloads flashinfer-cubin from FlashInfer's own wheel index, "
+        "https://flashinfer.ai/whl, not PyPI",
+    ),
+    (
+        "vllm-mla-fixes selftest",
+        "runs on the GPU node that serves: it runs that GPU's kernels, where a machine "
+        "without one runs stand-ins for them",
+    ),
+    (
+        "vllm-mla-fixes smoke",
+        "runs once `vllm serve` is up on the GPU node, from a machine that reaches it",
+    ),
+)
+
+
+def runs_elsewhere(advice: str) -> str:
+    """Where each command in ``advice`` that cannot run here must run, and why."""
+    return "; ".join(f"`{command}` {where}" for command, where in ELSEWHERE if command in advice)
 
 
 @dataclasses.dataclass
@@ -104,21 +140,15 @@ def major_minor(version: str | None) -> tuple[int, ...] | None:
 
 
 def fix_verdict(env: Environment, name: str) -> Finding:
-    """Whether the plugin applies fix ``name`` in this environment, and if not, why."""
+    """Whether the plugin applies fix ``name`` where the line is served, and if not, why."""
     state = env.fix_state(name)
     serving_node = env.fix_states.get(name, {}).get("serving_node")
     if state == "applied" and serving_node:
         return Finding(
-            "ok",
-            name,
-            f"on {serving_node} the plugin loads the fix ({env.fix_reason(name)}); "
-            "what it lays out for a line is its decision there, as above",
-            "run the same serve line there",
+            "ok", name, f"on {serving_node} the plugin loads the fix ({env.fix_reason(name)})"
         )
     if state == "applied":
-        return Finding(
-            "ok", name, "the fix is applied in this environment", "run the same serve line"
-        )
+        return Finding("ok", name, "the fix is applied in this environment")
     if env.packages.get("vllm-mla-fixes") is None:
         return Finding(
             "error", name, "vllm-mla-fixes is not installed where vLLM runs", install_advice()
@@ -131,22 +161,32 @@ def fix_verdict(env: Environment, name: str) -> Finding:
             "so vLLM never loads the fix",
             plugins_advice(env.vllm_plugins),
         )
+    where = f"on {serving_node}" if serving_node else "here"
     if state == "not-needed":
         return Finding(
             "info",
             name,
-            f"the plugin does not apply the fix in this process "
-            f"(not-needed: {env.fix_reason(name)}); each vLLM process decides again on "
-            "its own GPU",
-            "run doctor on the serving node to see the decision there",
+            f"the plugin leaves vLLM untouched for this fix {where} "
+            f"(not-needed: {env.fix_reason(name)})",
+        )
+    if state == "disabled":
+        return Finding(
+            "error",
+            name,
+            f"the fix is not applied {where}: disabled: {env.fix_reason(name)}",
+            ENABLE_ALL_ADVICE,
         )
     described = f"{state}: {env.fix_reason(name)}" if state else "not evaluated"
     return Finding(
         "error",
         name,
-        f"the fix is not applied here: {described}",
-        "see `vllm-mla-fixes status`; VLLM_MLA_FIXES=all enables every needed fix",
+        f"the fix is not applied {where}: {described}",
+        "vllm-mla-fixes status   (each fix's state and reason, as the plugin decides them)",
     )
+
+
+# VLLM_MLA_FIXES=none, or a list without the fix, disables it (a test runs this).
+ENABLE_ALL_ADVICE = "export VLLM_MLA_FIXES=all   (then `vllm-mla-fixes status` says applied)"
 
 
 def as_serving_node(env: Environment, name: str, node: str, state: str, reason: str) -> Environment:

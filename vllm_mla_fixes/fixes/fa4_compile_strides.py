@@ -385,7 +385,6 @@ def diagnose(env, serve) -> list:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import MLA_ARCHITECTURES
     from vllm_mla_fixes.report import Finding as F
 
     name = INFO.name
@@ -437,48 +436,52 @@ def diagnose(env, serve) -> list:
                 "expect one compile per kernel on the first patched start-up",
             )
         )
+    avoided = _avoided_by_the_line(serve)
+    if avoided is not None and avoided.level == "ok":  # the failure cannot happen at all
+        return [*findings, avoided]
+    if avoided is not None:
+        findings.append(avoided)
+    return [*findings, _diagnose_fix_state(as_sm100_node(env), workaround=avoided is not None)]
+
+
+def _avoided_by_the_line(serve):
+    """Why the line itself cannot meet the failure ("ok"), or the workaround
+    it carries ("info"); None where neither."""
+    from vllm_mla_fixes.report import MLA_ARCHITECTURES
+    from vllm_mla_fixes.report import Finding as F
+
+    name = INFO.name
     if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
-        findings.append(
-            F(
-                "ok",
-                name,
-                "VLLM_BATCH_INVARIANT=1 forces num_splits=1: no Split-KV, "
-                "this failure cannot happen (at batch-invariant mode's cost)",
-            )
+        return F(
+            "ok",
+            name,
+            "VLLM_BATCH_INVARIANT=1 forces num_splits=1: no Split-KV, "
+            "this failure cannot happen (at batch-invariant mode's cost)",
         )
-        return findings
-    if serve is not None:
-        archs = set(serve.architectures)
-        is_mla = bool(archs & MLA_ARCHITECTURES) or "kv_lora_rank" in serve.model_config
-        if serve.model_config and not is_mla:
-            findings.append(
-                F("ok", name, "not an MLA model: this failure is specific to MLA prefill")
-            )
-            return findings
-        backend = str(serve.attention_config.get("mla_prefill_backend") or "").upper()
-        if backend and backend != "FLASH_ATTN":
-            findings.append(
-                F(
-                    "ok",
-                    name,
-                    f"mla_prefill_backend={backend}: MLA prefill does not use "
-                    "FA4, so this failure cannot happen",
-                )
-            )
-            return findings
-        if serve.kernel_config.get("enable_cutedsl_warmup") is False:
-            findings.append(
-                F(
-                    "info",
-                    name,
-                    "enable_cutedsl_warmup=false (the workaround) avoids the "
-                    "crash; cost: each FA4 kernel JIT-compiles on first use, a stall of "
-                    "~15-25 s in the serving path; with the fix applied, drop it to get "
-                    "the warm-up back",
-                )
-            )
-    findings.append(_diagnose_fix_state(env))
-    return findings
+    if serve is None:
+        return None
+    archs = set(serve.architectures)
+    is_mla = bool(archs & MLA_ARCHITECTURES) or "kv_lora_rank" in serve.model_config
+    if serve.model_config and not is_mla:
+        return F("ok", name, "not an MLA model: this failure is specific to MLA prefill")
+    backend = str(serve.attention_config.get("mla_prefill_backend") or "").upper()
+    if backend and backend != "FLASH_ATTN":
+        return F(
+            "ok",
+            name,
+            f"mla_prefill_backend={backend}: MLA prefill does not use "
+            "FA4, so this failure cannot happen",
+        )
+    if serve.kernel_config.get("enable_cutedsl_warmup") is False:
+        return F(
+            "info",
+            name,
+            "enable_cutedsl_warmup=false (the workaround) avoids the "
+            "crash; cost: each FA4 kernel JIT-compiles on first use, a stall of "
+            "~15-25 s in the serving path; with the fix applied, drop it to get "
+            "the warm-up back",
+        )
+    return None
 
 
 # The serve flags doctor suggests when the fix is not applied; tests check them
@@ -488,31 +491,65 @@ WORKAROUND_FLAGS = (
     "--kernel-config '{\"enable_cutedsl_warmup\": false}'",
 )
 
+SM100_NODE = "an SM100/SM103 serving node"
+CANNOT_PROBE = "cannot probe here"
 
-def _diagnose_fix_state(env):
+
+def as_sm100_node(env):
+    """``env`` as an SM100/SM103 node that serves the line sees this fix, where
+    no GPU is visible here: there vLLM's CUDA flash-attention extension loads,
+    so the plugin's probe is the source screen (the functional probe runs in
+    each worker when vLLM imports FA4), which reads no GPU."""
+    from vllm_mla_fixes.report import as_serving_node
+    from vllm_mla_fixes.screen_cache import cached_screen
+
+    skipped = env.fix_state(INFO.name) == "skipped"
+    if env.capability is not None or not (
+        skipped and env.fix_reason(INFO.name).startswith(CANNOT_PROBE)
+    ):
+        return env
+    try:
+        reason = cached_screen(sys.modules[__name__], source_screen)
+    except (CannotProbe, TargetMismatch) as exc:
+        return as_serving_node(env, INFO.name, SM100_NODE, "skipped", str(exc))
+    if reason is not None:
+        return as_serving_node(env, INFO.name, SM100_NODE, "not-needed", reason)
+    return as_serving_node(
+        env, INFO.name, SM100_NODE, "applied", "its source screen finds FA4's compile-only specs"
+    )
+
+
+def _diagnose_fix_state(env, workaround: bool):
     from vllm_mla_fixes.report import Finding as F
     from vllm_mla_fixes.report import fix_verdict
 
-    if env.fix_state(INFO.name) == "applied":
+    name = INFO.name
+    state, reason = env.fix_state(name), env.fix_reason(name)
+    if state == "applied":
+        node = env.fix_states[name].get("serving_node")
+        where = f"on {node} the plugin arms the fix ({reason})" if node else "the fix is armed here"
         return F(
             "ok",
-            INFO.name,
-            "the fix is armed here: it checks and patches FA4 in each worker "
+            name,
+            f"{where}: it checks and patches FA4 in each worker "
             "when vLLM imports it, before warm-up; the worker log says "
-            f"'vllm-mla-fixes: {INFO.name}: patched'",
-            "run the same serve line",
+            f"'vllm-mla-fixes: {name}: patched'",
         )
-    if env.fix_state(INFO.name) == "skipped" and env.fix_reason(INFO.name).startswith(
-        "cannot probe here"
-    ):
+    if workaround:
+        return F(
+            "ok",
+            name,
+            f"the fix is not applied ({state or 'not evaluated'}: {reason}); the line's "
+            "enable_cutedsl_warmup=false avoids the crash without it",
+        )
+    if state == "skipped" and reason.startswith(CANNOT_PROBE):  # a GPU is visible here
         return F(
             "warn",
-            INFO.name,
-            f"the fix cannot check FA4 in this process "
-            f"(skipped: {env.fix_reason(INFO.name)}); on a GPU node with vLLM's CUDA build it can",
-            "run doctor on the GPU node",
+            name,
+            f"the fix cannot check FA4 on this GPU (skipped: {reason}); vLLM cannot run FA4 "
+            "without that extension either",
         )
-    verdict = fix_verdict(env, INFO.name)
+    verdict = fix_verdict(env, name)
     if verdict.level == "error":
         verdict.advice += (
             f"; or work around it: {WORKAROUND_FLAGS[0]} (no FA4), or "

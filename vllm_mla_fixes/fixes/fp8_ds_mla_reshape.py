@@ -278,12 +278,12 @@ def diagnose(env, serve) -> list:
         bool(set(serve.architectures) & SPARSE_MLA_ARCHITECTURES)
         or "index_topk" in serve.model_config
     )
-    if not serve.model_config:
+    if not serve.model_config and not serve.architectures:
         findings.append(
             Finding(
                 "info",
                 name,
-                f"cannot read the config of {serve.model!r} offline; "
+                f"no config.json of {serve.model!r} here, and its name says no architecture: "
                 "assuming it may be a sparse-MLA model",
             )
         )
@@ -317,7 +317,7 @@ def diagnose(env, serve) -> list:
             f"vLLM {vllm_version} + sparse MLA + --kv-cache-dtype "
             f"{serve.kv_cache_dtype} (stored as {FP8_DS_MLA}, "
             f"{FP8_DS_MLA_BYTES_PER_TOKEN} B/token) on "
-            f"{backend or 'FLASHMLA_SPARSE (likely on this GPU)'} fails at start-up: "
+            f"{backend or _likely_backend(sm)} fails at start-up: "
             f"{INFO.error}",
         )
     )
@@ -342,3 +342,13 @@ def diagnose(env, serve) -> list:
         )
     findings.append(fix_verdict(env, name))
     return findings
+
+
+def _likely_backend(sm: int | None) -> str:
+    """The sparse-MLA backend a line without --attention-backend gets, said as
+    what doctor knows: the GPU here, or none visible."""
+    if sm is None:
+        return (
+            "FLASHMLA_SPARSE (vLLM's sparse-MLA backend on SM90 and SM100; no GPU is visible here)"
+        )
+    return "FLASHMLA_SPARSE (likely on this GPU)"
