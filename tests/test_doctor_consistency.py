@@ -352,17 +352,7 @@ CHECKS = {
 # not changed here): each case and check they still fail.  strict: once the
 # rewrite fixes one, its entry must go.
 DSV41_REWRITE = "DeepSeek-V4.1's doctor findings: the decision rewrite (issue 36)"
-KNOWN = {
-    ("0.32.0 no line", "gpu_wording"),
-    ("0.32.0 DSV4.1 block 64", "gpu_wording"),
-    ("0.32.0 DSV4.1 block 64, fixes off", "gpu_wording"),
-    ("0.32.0 DSV4.1 block 64, fixes off", "commands_run_or_say_where"),
-    ("0.33.0 DSV4.1 block 128", "gpu_wording"),
-    ("0.33.0 DSV4.1 docs line offline", "gpu_wording"),
-    ("0.34.0 no line", "gpu_wording"),
-    ("0.34.0 DSV4.1 block 64", "gpu_wording"),
-    ("0.34.0 DSV4.1 block 128 DSpark", "gpu_wording"),
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _matrix():

@@ -48,7 +48,8 @@ def diagnose(env, serve) -> list:
         Finding(
             "info",
             name,
-            "prove the KV layouts on this GPU before serving: the self-test runs "
+            f"prove the KV layouts on {'this GPU' if sm else 'the SM12x GPU that serves'} "
+            "before serving: the self-test runs "
             "FlashInfer's SM120 sparse-MLA, DeepGEMM's paged MQA logits and the indexer-K "
             "gather over the fix's layouts and upstream's own (the one left in place where "
             "the fix steps aside) against a dense reference (exit 0 pass, "
@@ -295,7 +296,7 @@ def _capacity_line(prediction: Any, fixed: bool) -> str:
 def _upstream_findings(prediction: Any, fixed: bool) -> list[Any]:
     """What upstream's own layout does on SM12x for the line, from the
     decision (which ``doctor --json`` prints as its ``dsv41`` object)."""
-    from vllm_mla_fixes.report import Finding
+    from vllm_mla_fixes.report import ENABLE_ALL_ADVICE, Finding
 
     name = INFO.name
     decision = prediction.decision
@@ -343,7 +344,7 @@ def _upstream_findings(prediction: Any, fixed: bool) -> list[Any]:
             "error",
             name,
             f"upstream's {size} layout {problem}, and the fix is not enabled here",
-            f"unset VLLM_MLA_FIXES or include {name} in it, then `vllm-mla-fixes status`",
+            ENABLE_ALL_ADVICE,
             facts=facts,
         )
     ]
