@@ -152,7 +152,7 @@ def test_flashinfer_072_takes_the_32_page_but_ratio1_indexer_pages_stay_wrong(up
 @before_0_34
 def test_upstream_geometry_fails_the_self_check_with_a_clear_error(upstream_128):
     with pytest.raises(fix.PageGeometryError) as excinfo:
-        fix.check_page_geometry(fix.bound_pages(upstream_128.forward_context))
+        fix.check_page_geometry(fix.bound_pages(upstream_128.forward_context), everything=True)
     message = str(excinfo.value)
     assert (
         "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages"
@@ -369,12 +369,30 @@ def test_fixed_specs_recompute_their_page_padding(geometry, pages, monkeypatch):
 
 @before_0_34
 def test_self_check_catches_a_geometry_changed_after_the_fix():
-    """Upstream specs (planned before the fix) bound with the fix installed:
-    the check inside vLLM's bind raises before any request."""
+    """A sliding-window cache the fix built with 64-row pages, changed back
+    to 32 rows before its spec (another plugin, another build): the check
+    inside vLLM's bind raises before any request, naming it."""
+
+    def another_plugin(layers):
+        layers["model.layers.0.attn"].swa_cache_layer.block_size = fix.UPSTREAM_SWA_BLOCK
+
+    with repro.applied((12, 0)):
+        geometry = repro.plan_geometry(128, after_build=another_plugin)
+        repro.select_kernel_block_sizes(geometry)
+        with pytest.raises(
+            fix.PageGeometryError,
+            match="swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages",
+        ):
+            repro.allocate_and_bind(geometry)
+
+
+def test_upstream_layouts_bound_beside_the_fix_are_not_checked():
+    """Layers the fix laid out nothing for (an engine whose decision is
+    upstream's, or specs planned before the fix) are upstream's own: binding
+    them with the fix installed is not the fix's to refuse."""
     geometry = repro.plan_geometry(128)
     with repro.applied((12, 0)):
-        with pytest.raises(fix.PageGeometryError, match="compress ratio 1, 128-token pages"):
-            repro.allocate_and_bind(geometry)
+        repro.allocate_and_bind(geometry)
 
 
 @before_0_34

@@ -140,7 +140,15 @@ def attach_model(
     subprocess, so this is a namespace holding what is read of it."""
     if vllm_config.model_config is not None:
         return
-    text = SimpleNamespace(**{"qk_rope_head_dim": 64, "index_topk": 512, **model})
+    from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+
+    # model_type: vLLM's planner reads it (a DeepSeek-V4.1 drafter's trailing layers)
+    defaults = {
+        "qk_rope_head_dim": 64,
+        "index_topk": 512,
+        "model_type": DeepseekV41Config.model_type,
+    }
+    text = SimpleNamespace(**{**defaults, **model})
     text.compress_ratios = [*model["compress_ratios"], *drafter_ratios]
     if drafter_ratios:
         text.n_mtp_layers = len(drafter_ratios)
@@ -279,6 +287,7 @@ def plan_geometry(
     speculative_config: Any = None,
     drafter_ratios: tuple[int, ...] = (),
     max_model_len: int = STAND_IN_MAX_MODEL_LEN,
+    after_build: Callable[[dict[str, Any]], None] | None = None,
 ) -> Geometry:
     """Layers -> specs -> layout -> groups -> KV-cache config -> attention groups
     -> kernel block sizes, each step vLLM's own (``settings``: the serve
@@ -301,6 +310,8 @@ def plan_geometry(
     model_layout: dict[str, Any] = DSV41_FLASH if model is None else model
     attach_model(vllm_config, model_layout, drafter_ratios, max_model_len)
     layers = build_layers(vllm_config, model_layout, drafter_ratios)
+    if after_build is not None:  # something that changes the layers before their specs
+        after_build(layers)
     specs = get_kv_cache_spec(vllm_config)
     backends = {
         layer.get_attn_backend()
