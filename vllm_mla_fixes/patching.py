@@ -60,7 +60,6 @@ class FixInfo:
     newest_reviewed: str  # the newest release whose code was reviewed for this fix
     hardware: str
     error: str  # the upstream error text, as operators see it
-    workarounds: tuple[str, ...]
     not_covered: tuple[NotCovered, ...] = ()
 
     def admits(self, version: str) -> bool:
