@@ -84,9 +84,8 @@ INFO = FixInfo(
     "fails the kernel's argument check and EngineCore dies",
     upstream=("vllm#49200", "flash-attention@caaa4eb (vllm-project/flash-attention#157)"),
     affected=">=0.23.1.dev0,<0.26.0",
-    affected_releases=("0.25.0", "0.25.1"),
+    covered_releases=("0.25.0", "0.25.1"),
     fixed_in="0.26.0",
-    newest_reviewed="0.26.0",
     hardware="SM100/SM103 (B200, GB200, B300) with FA4 MLA prefill; H100/H200 use FA3 and are immune",
     error="ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(mQ: "
     "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",

@@ -57,9 +57,8 @@ INFO = FixInfo(
     "the MLA KV spec says 'not quantised' and the reshape asks for 576 B/token",
     upstream=("vllm#48896", "vllm#48378", "vllm#48379", "vllm#48907"),
     affected=">0.24.0,<0.26.0",
-    affected_releases=("0.25.0", "0.25.1"),
+    covered_releases=("0.25.0", "0.25.1"),
     fixed_in="0.26.0",
-    newest_reviewed="0.26.0",
     hardware="SM90, SM100 (FLASHMLA_SPARSE)",
     error="RuntimeError: shape '[32, 64, 576]' is invalid for input of size 1343488",
 )

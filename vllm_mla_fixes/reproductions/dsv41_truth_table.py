@@ -337,7 +337,7 @@ def _cache_file() -> Path | None:
         flashinfer = version("flashinfer-python")
     except PackageNotFoundError:
         return None
-    if installed not in envelope.COVERED_VLLM:
+    if installed not in fix.INFO.covered_releases:
         return None
     package = Path(__file__).resolve().parent.parent
     sources = sorted((package / "fixes" / "dsv41_sm120_geometry").rglob("*.py"))
