@@ -21,12 +21,13 @@ import json
 import shutil
 from pathlib import Path
 
+import fix_releases
 import pytest
 import torch
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope as env
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 pytestmark = pytest.mark.vllm_release(*DSV41)
 
 

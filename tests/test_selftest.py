@@ -35,11 +35,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fix_releases
 import pytest
 
 from vllm_mla_fixes.selftest.timeline import CASES
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 TIMEOUT_S = 1800
 REGRESSED_FIX = """\
 # The fix as a regression would leave it: the ratio-1 writers keep manager-block slots.
