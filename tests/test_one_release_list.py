@@ -16,7 +16,11 @@ release (one literal expectation per release) is not a list.
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +188,33 @@ def test_the_scan_reads_workflow_and_toml_lists():
     assert release_lists_in_data(workflow) == ["['0.25.0', '0.34.0']"]
     assert release_lists_in_data(tomllib.loads('releases = ["0.32.0", "0.33.0"]\n')) != []
     assert release_lists_in_data({"release": "0.34.0", "include": [{"release": "0.25.1"}]}) == []
+
+
+# What noxfile.py and scripts/release_check.py do in a Python that has packaging
+# but neither vLLM nor torch (nox's own, the release-check session's).
+WITHOUT_VLLM = """
+import importlib.abc, sys
+class NoVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("vllm", "torch"):
+            raise ImportError(f"{name} is not installed here")
+sys.meta_path.insert(0, NoVllm())
+import json
+from vllm_mla_fixes.fixes import COVERED_RELEASES
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO
+print(json.dumps([COVERED_RELEASES, INFO.covered_releases]))
+"""
+
+
+def test_the_release_lists_are_read_without_vllm():
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_VLLM],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    every_fix, dsv41 = json.loads(proc.stdout)
+    assert dsv41 and set(dsv41) <= set(every_fix)
