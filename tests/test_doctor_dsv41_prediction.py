@@ -24,7 +24,10 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release(*covered(DSV41))
+pytestmark = [
+    pytest.mark.vllm_release(*covered(DSV41)),
+    pytest.mark.usefixtures("kernels_as_locked"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 # The original report (shared reports, 001) describes its line without quoting

@@ -26,7 +26,10 @@ from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 from vllm_mla_fixes.reproductions import dsv41_truth_table as table
 
-pytestmark = pytest.mark.vllm_release(*covered(DSV41))
+pytestmark = [
+    pytest.mark.vllm_release(*covered(DSV41)),
+    pytest.mark.usefixtures("kernels_as_locked"),
+]
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 

@@ -190,6 +190,7 @@ def test_selftest_exits_1_when_the_fix_keeps_manager_block_slots(runs):
 
 
 @pytest.mark.vllm_release(*DSV41)
+@pytest.mark.usefixtures("kernels_as_locked")
 def test_upstream_runs_where_it_starts_with_what_the_kernels_declare(report):
     """0.32/0.33 start with --block-size 128: 128-state ratio-1 indexer pages, which
     DeepGEMM's SM120 host check refuses (0.32.0: also 32-row SWA pages, which
