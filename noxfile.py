@@ -48,8 +48,8 @@ ENV_DIR = Path(
 MIN_FREE_GIB_FOR_NEW_ENV = 12
 # Pins added to the resolution of every release from CUDA_13_PINS_FROM on,
 # with the reason.  vLLM 0.32/0.33 resolve cuda-python 12.6.2.post1 beside
-# cuda-bindings 13.5.0; both install
-# files under cuda/bindings, and whichever lands last wins, so
+# cuda-bindings 13.5.0; both install files under cuda/bindings, and whichever
+# lands last wins, so
 # `vllm.models.deepseek_v41` may fail to import ("cuda.bindings.runtime has no
 # attribute cudaLibrary_t").  A matching 13.x pair is what the code expects.
 #
