@@ -22,12 +22,21 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import nox
+from packaging.version import Version
 
 ROOT = Path(__file__).parent
+# The vLLM releases each fix covers are declared once, in its FixInfo; nox reads
+# them from this checkout's package, whose fix records import only the standard
+# library and packaging (which nox itself requires), never vLLM.
+sys.path.insert(0, str(ROOT))
+from vllm_mla_fixes.fixes import COVERED_RELEASES  # noqa: E402
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO as DSV41  # noqa: E402
+
 LOCKS = ROOT / "envs"
 RELEASES = sorted(
     (p.name[len("vllm-") : -len(".txt")] for p in LOCKS.glob("vllm-*.txt")),
@@ -37,9 +46,10 @@ ENV_DIR = Path(
     os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
 )
 MIN_FREE_GIB_FOR_NEW_ENV = 12
-# Pins added to a release's own resolution, with the reason.  vLLM 0.32/0.33
-# resolve cuda-python 12.6.2.post1 beside cuda-bindings 13.5.0; both install
-# files under cuda/bindings, and whichever lands last wins, so
+# Pins added to the resolution of every release from CUDA_13_PINS_FROM on,
+# with the reason.  vLLM 0.32/0.33 resolve cuda-python 12.6.2.post1 beside
+# cuda-bindings 13.5.0; both install files under cuda/bindings, and whichever
+# lands last wins, so
 # `vllm.models.deepseek_v41` may fail to import ("cuda.bindings.runtime has no
 # attribute cudaLibrary_t").  A matching 13.x pair is what the code expects.
 #
@@ -54,11 +64,14 @@ _CUDA_13_0_COMPILER = (
     "nvidia-cuda-crt==13.0.88",
     "nvidia-nvvm==13.0.88",
 )
-EXTRA_PINS = {
-    "0.32.0": ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER),
-    "0.33.0": ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER),
-    "0.34.0": ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER),
-}
+CUDA_13_PINS_FROM = "0.32.0"
+CUDA_13_PINS = ("cuda-python>=13", "cuda-bindings>=13", *_CUDA_13_0_COMPILER)
+
+
+def _extra_pins(release: str) -> tuple[str, ...]:
+    return CUDA_13_PINS if Version(release) >= Version(CUDA_13_PINS_FROM) else ()
+
+
 # Requirements that replace a release's own pin, with the reason (uv's
 # --override).  vLLM 0.34.0 pins flashinfer-python==0.7.3, which was never
 # published on PyPI (0.7.2.post1 and 0.7.4 are), so `vllm==0.34.0` does not
@@ -114,7 +127,18 @@ def _check_disk(session: nox.Session) -> None:
         )
 
 
-VERIFY_RELEASES = ("0.25.1", "0.32.0", "0.33.0", "0.34.0")
+def _newest_patch_of_each_minor(releases: tuple[str, ...]) -> tuple[str, ...]:
+    newest: dict[tuple[int, ...], Version] = {}
+    for release in map(Version, releases):
+        minor = release.release[:2]
+        newest[minor] = max(newest.get(minor, release), release)
+    return tuple(str(v) for v in sorted(newest.values()))
+
+
+# `verify` on every release a fix covers, one patch release per minor version:
+# the patch releases of one minor carry the same code of every reviewed
+# definition (their REVIEWED fingerprints agree).
+VERIFY_RELEASES = _newest_patch_of_each_minor(COVERED_RELEASES)
 
 
 @nox.session(python="3.11", default=False)
@@ -202,7 +226,7 @@ def _verify_session(release: str):
 
 
 # Releases the DeepSeek-V4.1 self-test covers: it must pass there on a GPU runner.
-SELFTEST_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+SELFTEST_RELEASES = DSV41.covered_releases
 RESULTS_ENV = "VLLM_MLA_FIXES_GPU_RESULTS"
 EXPECT_GPU_ENV = "VLLM_MLA_FIXES_EXPECT_GPU_CC"
 
@@ -487,7 +511,7 @@ def lock(session: nox.Session) -> None:
     for release in session.posargs:
         lock_file = LOCKS / f"vllm-{release}.txt"
         requirements = Path(session.create_tmp()) / f"requirements-{release}.in"
-        extras = EXTRA_PINS.get(release, ())
+        extras = _extra_pins(release)
         requirements.write_text(f"vllm=={release}\n" + "".join(f"{r}\n" for r in (*TOOLS, *extras)))
         keep = []
         if lock_file.exists():  # keep existing pins, except those the extras re-decide

@@ -19,9 +19,12 @@ the stages one job at a time (one runner per vLLM release, for disk).
     python scripts/release_check.py notes VERSION
         the CHANGELOG.md section of VERSION (the GitHub release's notes)
     python scripts/release_check.py all OUT [VLLM_VERSION ...]
-        build, release for each (default: RELEASES), sums
+        build, release for each (default: every shipped release), sums
+    python scripts/release_check.py releases
+        the shipped releases as one JSON list (the release workflow's matrix)
 
-Standard library only, plus ``twine`` for ``build``; ``uv`` must be on PATH.
+Standard library only, plus ``twine`` for ``build`` and ``packaging`` for the
+stages that read the shipped releases; ``uv`` must be on PATH.
 """
 
 from __future__ import annotations
@@ -42,15 +45,23 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The vLLM releases a release is checked against and ships patched wheels for:
-# every release a fix covers, plus 0.25.0 (covered by both 0.25 fixes).
-RELEASES = ("0.25.0", "0.25.1", "0.32.0", "0.33.0", "0.34.0")
 FIX_NAMES = {"fa4-compile-strides", "fp8-ds-mla-reshape", "dsv41-sm120-geometry"}
 LOCKS = ROOT / "envs"
 
 
 class ReleaseCheckError(RuntimeError):
     """A release artifact is not what a release must ship; the message says which."""
+
+
+def shipped_releases() -> tuple[str, ...]:
+    """The vLLM releases a release is checked against and ships patched wheels
+    for: every release a fix covers, read from the fixes' FixInfo records in
+    this checkout (they import packaging, so ``sums`` and ``notes`` do not)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from vllm_mla_fixes.fixes import COVERED_RELEASES
+
+    return COVERED_RELEASES
 
 
 def plugin_version() -> str:
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     build_cmd.add_argument("out", type=Path)
     build_cmd.add_argument("--tag", help="the git tag being released; must be v<version>")
     release_cmd = stages.add_parser("release")
-    release_cmd.add_argument("vllm", choices=RELEASES)
+    release_cmd.add_argument("vllm", help="one of the shipped releases")
     release_cmd.add_argument("out", type=Path)
     sums_cmd = stages.add_parser("sums")
     sums_cmd.add_argument("out", type=Path)
@@ -316,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     notes_cmd.add_argument("version")
     all_cmd = stages.add_parser("all")
     all_cmd.add_argument("out", type=Path)
-    all_cmd.add_argument("vllm", nargs="*", help=f"default: {' '.join(RELEASES)}")
+    all_cmd.add_argument("vllm", nargs="*", help="default: every shipped release")
+    stages.add_parser("releases")
     args = parser.parse_args(argv)
+    shipped: tuple[str, ...] = ()
+    if args.stage in ("release", "all", "releases"):
+        shipped = shipped_releases()
+        asked = [args.vllm] if args.stage == "release" else getattr(args, "vllm", [])
+        unknown = sorted(set(asked) - set(shipped))
+        if unknown:
+            parser.error(f"not a release this project ships for: {unknown} (choose from {shipped})")
     started = time.monotonic()
     try:
         if args.stage == "build":
@@ -329,16 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "notes":
             print(changelog_section(args.version), end="")
             return 0
+        elif args.stage == "releases":
+            print(json.dumps(list(shipped)))
+            return 0
         else:
-            releases = args.vllm or RELEASES
-            unknown = sorted(set(releases) - set(RELEASES))
-            if unknown:
-                parser.error(
-                    f"not a release this project ships for: {unknown} (choose from {RELEASES})"
-                )
             shutil.rmtree(args.out / "vllm", ignore_errors=True)
             build(args.out)
-            for release in releases:
+            for release in args.vllm or shipped:
                 check_release(release, args.out)
             write_sums(args.out)
     except ReleaseCheckError as exc:

@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FP8, newest, oldest
 
 ROOT = Path(__file__).resolve().parent.parent
 STATES = {"applied", "not-needed", "disabled", "skipped"}
-pytestmark = pytest.mark.vllm_release("0.25.1", "0.32.0")
+pytestmark = pytest.mark.vllm_release(newest(FP8), oldest(DSV41))
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, covered, newest, oldest
 
 from vllm_mla_fixes.reproductions.fp8_ds_mla import TINY_GLM_DSA
 
@@ -152,7 +153,7 @@ def test_without_vllm_installed_doctor_says_so(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO
 
@@ -263,7 +264,7 @@ def test_remedy_cuda_python_pair_repairs_the_clash(tmp_path):
     )
 
 
-@pytest.mark.parametrize("release", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("release", covered(DSV41))
 def test_remedy_cuda_python_pair_is_what_the_release_locks_pin(release):
     """The releases' test environments are built with this pair, and their
     DeepSeek-V4.1 tests import the modules the clash breaks."""
@@ -295,7 +296,7 @@ def test_remedy_torchaudio_uninstall(tmp_path):
     assert left.returncode != 0 and "not found" in left.stderr
 
 
-@pytest.mark.vllm_release("0.32.0", "0.34.0")
+@pytest.mark.vllm_release(oldest(DSV41), newest(DSV41))
 def test_remedy_flashinfer_commands_are_flashinfers_own():
     """doctor's FlashInfer remedies are commands of the installed
     flashinfer-python's CLI, run here with --dry-run: the jit-cache shim and
@@ -363,7 +364,7 @@ def test_remedy_fa4_workaround_flags_are_valid_serve_flags():
         _accepted_by_vllm(flag)
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_remedy_dsv41_flags_are_valid_serve_flags():
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
 
@@ -395,7 +396,7 @@ def test_every_pip_remedy_is_one_of_the_checked_ones():
     ], remedies
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     """doctor's geometry finding is the fix's own decision on the line's engine
     config (``diagnose`` runs the prediction in a fresh interpreter; here in-process)."""

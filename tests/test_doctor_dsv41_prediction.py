@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, covered
 
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
@@ -23,7 +24,10 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+pytestmark = [
+    pytest.mark.vllm_release(*covered(DSV41)),
+    pytest.mark.usefixtures("kernels_as_locked"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 # The original report (shared reports, 001) describes its line without quoting

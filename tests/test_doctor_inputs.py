@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FP8, newest
 
 from vllm_mla_fixes import doctor, settings
 
-pytestmark = pytest.mark.vllm_release("0.25.1", "0.34.0")
+pytestmark = pytest.mark.vllm_release(newest(FP8), newest(DSV41))
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GLM = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"  # 16 attention heads
 

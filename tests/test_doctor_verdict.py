@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FP8, newest, oldest
 
 from vllm_mla_fixes import doctor
 from vllm_mla_fixes.report import Environment, Finding
@@ -166,7 +167,7 @@ VLLM_REJECTS = [
 ]
 
 
-@pytest.mark.vllm_release("0.25.1", "0.32.0", "0.34.0")
+@pytest.mark.vllm_release(newest(FP8), oldest(DSV41), newest(DSV41))
 @pytest.mark.parametrize(
     "flags, says", VLLM_REJECTS, ids=[f"{' '.join(c[0])}: {c[1]}" for c in VLLM_REJECTS]
 )
@@ -180,7 +181,7 @@ def test_vllm_rejects_the_line_in_its_own_words(flags, says):
     assert "SystemExit" not in finding.message
 
 
-@pytest.mark.vllm_release("0.25.1", "0.32.0", "0.34.0")
+@pytest.mark.vllm_release(newest(FP8), oldest(DSV41), newest(DSV41))
 def test_vllm_accepts_a_good_line():
     from importlib.metadata import version
 

@@ -6,8 +6,12 @@ Three kinds of test:
 * the declarations: the exact text each envelope is read from, found at its
   line in the installed files (the compiled host checks as whole strings of
   the extension), read here without the ``envelope`` package; and the table of
-  envelopes per release that ``kernel_envelopes()`` must return.  A kernel
-  release that changes a declaration fails here first;
+  envelopes that ``kernel_envelopes()`` must return.  Each expectation is keyed
+  by the build of the package that declares it, as found installed: the
+  FlashInfer release, the DeepGEMM vLLM imports (its folder and version), the
+  vLLM release.  A build with no row fails, rather than being taken for the
+  one the same vLLM release locked (0.34.0 with a FlashInfer other than 0.7.4),
+  and a kernel release that changes a declaration fails here first;
 * the self-test's CPU stand-ins for the readers accept exactly the pages the
   kernels' own declarations accept;
 * an unknown release or an unreadable declaration gives an unknown envelope,
@@ -18,15 +22,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
+import fix_releases
 import pytest
 import torch
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope as env
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 pytestmark = pytest.mark.vllm_release(*DSV41)
 
 
@@ -40,6 +47,36 @@ def _release() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def _flashinfer() -> str:
+    """The installed FlashInfer release, as its distribution records it."""
+    return version("flashinfer-python")
+
+
+def _deep_gemm() -> str:
+    """The DeepGEMM vLLM imports, as found: its folder under site-packages (an
+    installed ``deep_gemm`` first, else the copy vendored in vLLM) and the
+    ``__version__`` its ``__init__.py`` assigns, e.g. ``vllm/third_party/deep_gemm 2.8.1``."""
+    spec = importlib.util.find_spec("deep_gemm")
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(next(iter(spec.submodule_search_locations)))
+    else:
+        folder = _site() / DEEP_GEMM
+    assigned = re.search(
+        r"^__version__ = ['\"]([^'\"]+)['\"]", (folder / "__init__.py").read_text(), re.M
+    )
+    assert assigned is not None, folder
+    return f"{folder.relative_to(_site()).as_posix()} {assigned.group(1)}"
+
+
+def _recorded(table: dict, build, what: str):
+    """The expectations recorded for this build; a build nobody reviewed fails
+    here, rather than being taken for a reviewed one of the same vLLM release."""
+    assert build in table, (
+        f"no {what} recorded for {build}: review its declarations, then add them here"
+    )
+    return table[build]
 
 
 @pytest.fixture
@@ -88,10 +125,9 @@ RUNTIME_PAGES_072 = [
         'page size";',
     ),
 ]
-# (path, line, the line's text stripped) per release.
-DECLARATIONS = {
-    "0.32.0": DEEP_GEMM_COMMON
-    + [
+# (path, line, the line's text stripped), per build of the package that declares it.
+FLASHINFER_DECLARATIONS = {
+    "0.7.0.post1": [
         (
             DECODE_070,
             165,
@@ -102,6 +138,33 @@ DECLARATIONS = {
         (PREFILL_070, 396, "if (page_block_size != 64) return false;"),
         (PREFILL_070, 447, "if (page_block_size != 64) return false;"),
         (PREFILL_070, 449, "(extra_page_block_size == 64 || extra_page_block_size == 2)) {"),
+    ],
+    "0.7.2.post1": RUNTIME_PAGES_072
+    + [
+        (
+            PLAN_H,
+            17,
+            "return model == ModelType::DSV4 || model == ModelType::DSV4_1 || "
+            "model == ModelType::DSV3_2 ||",
+        ),
+        (RESOLVE, 123, "TVM_FFI_ICHECK(!dual || (main_page_supported(mt, m.extra_page_size) &&"),
+    ],
+    "0.7.4": RUNTIME_PAGES_072
+    + [
+        (
+            PLAN_H,
+            17,
+            "return model == ModelType::DSV4 || is_dsv41(model) || model == ModelType::DSV3_2 ||",
+        ),
+        (RESOLVE, 125, "(main_page_supported(mt, m.extra_page_size) &&"),
+    ],
+}
+DEEP_GEMM_DECLARATIONS = {
+    f"{DEEP_GEMM} 2.8.0": DEEP_GEMM_COMMON,
+    f"{DEEP_GEMM} 2.8.1": DEEP_GEMM_COMMON,
+}
+VLLM_DECLARATIONS = {
+    "0.32.0": [
         (
             "vllm/utils/deep_gemm.py",
             36,
@@ -120,16 +183,7 @@ DECLARATIONS = {
         ),
         ("vllm/models/deepseek_v41/common/ops/indexer_k_store.py", 105, "k_cache.shape[1],"),
     ],
-    "0.33.0": DEEP_GEMM_COMMON
-    + RUNTIME_PAGES_072
-    + [
-        (
-            PLAN_H,
-            17,
-            "return model == ModelType::DSV4 || model == ModelType::DSV4_1 || "
-            "model == ModelType::DSV3_2 ||",
-        ),
-        (RESOLVE, 123, "TVM_FFI_ICHECK(!dual || (main_page_supported(mt, m.extra_page_size) &&"),
+    "0.33.0": [
         (
             "vllm/utils/deep_gemm.py",
             40,
@@ -148,15 +202,7 @@ DECLARATIONS = {
         ),
         ("vllm/models/deepseek_v41/common/ops/indexer_k_store.py", 108, "k_cache.shape[1],"),
     ],
-    "0.34.0": DEEP_GEMM_COMMON
-    + RUNTIME_PAGES_072
-    + [
-        (
-            PLAN_H,
-            17,
-            "return model == ModelType::DSV4 || is_dsv41(model) || model == ModelType::DSV3_2 ||",
-        ),
-        (RESOLVE, 125, "(main_page_supported(mt, m.extra_page_size) &&"),
+    "0.34.0": [
         (
             "vllm/utils/deep_gemm.py",
             43,
@@ -187,10 +233,17 @@ HOST_CHECK = (
     "(arch_major == 9 and (block_kv == 32 or block_kv == 64)) or "
     "(arch_major == 12 and (block_kv == 32 or block_kv == 64))"
 )
-# Whole NUL-terminated strings of the compiled extensions, the same in all three releases.
-COMPILED = [
+# Whole NUL-terminated strings of the compiled extensions: DeepGEMM's per build,
+# vLLM's the same in every covered release.
+DEEP_GEMM_CHECKS = [
     (f"{DEEP_GEMM}/_C_extension.abi3.so", HOST_CHECK),
     (f"{DEEP_GEMM}/_C_extension.abi3.so", "num_heads == 16 or num_heads == 32 or num_heads == 64"),
+]
+DEEP_GEMM_COMPILED = {
+    f"{DEEP_GEMM} 2.8.0": DEEP_GEMM_CHECKS,
+    f"{DEEP_GEMM} 2.8.1": DEEP_GEMM_CHECKS,
+}
+VLLM_COMPILED = [
     (
         "vllm/_C_stable_libtorch.abi3.so",
         "cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor! dst_k, Tensor! dst_scale, "
@@ -212,16 +265,26 @@ COMPILED = [
 
 def test_each_declaration_is_where_the_table_says():
     site = _site()
-    for path, line, text in DECLARATIONS[_release()]:
+    declarations = [
+        *_recorded(FLASHINFER_DECLARATIONS, _flashinfer(), "FlashInfer declarations"),
+        *_recorded(DEEP_GEMM_DECLARATIONS, _deep_gemm(), "DeepGEMM declarations"),
+        *_recorded(VLLM_DECLARATIONS, _release(), "vLLM declarations"),
+    ]
+    for path, line, text in declarations:
         lines = (site / path).read_text(encoding="utf-8").splitlines()
         assert lines[line - 1].strip() == text, (path, line)
 
 
 def test_each_compiled_check_is_a_whole_string_of_its_extension():
     site = _site()
-    for path, text in COMPILED:
+    deep_gemm = _recorded(DEEP_GEMM_COMPILED, _deep_gemm(), "DeepGEMM compiled checks")
+    for path, text in [*deep_gemm, *VLLM_COMPILED]:
         data = (site / path).read_bytes()
         assert b"\0" + text.encode() + b"\0" in data, (path, text)
+
+
+# FlashInfer: whether its DSV4 kernels take the page size at run time (else 64 only).
+RUNTIME_PAGES = {"0.7.0.post1": False, "0.7.2.post1": True, "0.7.4": True}
 
 
 def test_flashinfer_decode_config_is_the_reviewed_one():
@@ -229,7 +292,7 @@ def test_flashinfer_decode_config_is_the_reviewed_one():
     from flashinfer.mla import supported_sparse_mla_sm120_configs
 
     config = supported_sparse_mla_sm120_configs()["dsv4"]
-    runtime = _release() != "0.32.0"
+    runtime = _recorded(RUNTIME_PAGES, _flashinfer(), "FlashInfer's DSV4 page size")
     assert (config.page_block_size, getattr(config, "page_block_size_is_runtime", False)) == (
         64,
         runtime,
@@ -259,27 +322,33 @@ RUNTIME_FLASHINFER = {
     env.FLASHINFER_PREFILL: (ANY, PREFILL_HEADS, ANY),
     env.FLASHINFER_PREFILL_EXTRA: (ANY, PREFILL_HEADS, ANY),
 }
-SAME_IN_ALL = {
+# kernel -> (page rows, heads, top-k), per build of the package that declares it.
+FLASHINFER_ENVELOPES = {
+    "0.7.0.post1": {
+        env.FLASHINFER_DECODE: ((64,), HEADS_1_128, ANY),
+        env.FLASHINFER_DECODE_EXTRA: (ANY, HEADS_1_128, ANY),
+        env.FLASHINFER_PREFILL: ((64,), PREFILL_HEADS, ANY),
+        env.FLASHINFER_PREFILL_EXTRA: ((2, 64), PREFILL_HEADS, ANY),
+    },
+    "0.7.2.post1": RUNTIME_FLASHINFER,
+    "0.7.4": RUNTIME_FLASHINFER,
+}
+DEEP_GEMM_LOGITS = {
     env.DEEPGEMM_LOGITS_FP8: (DEEP_GEMM_ROWS, (16, 32, 64), None),
     env.DEEPGEMM_LOGITS_FP4: (DEEP_GEMM_ROWS, (16, 32, 64), None),
+}
+DEEP_GEMM_ENVELOPES = {
+    f"{DEEP_GEMM} 2.8.0": DEEP_GEMM_LOGITS,
+    f"{DEEP_GEMM} 2.8.1": DEEP_GEMM_LOGITS,
+}
+VLLM_OPS = {
     env.INDEXER_GATHER: (ANY, None, None),
     env.INDEXER_TOP_K: (ANY, None, ANY),
     env.SWA_WRITER: (ANY, None, None),
     env.COMPRESSED_WRITER: (ANY, None, None),
     env.INDEXER_WRITER: (ANY, None, None),
 }
-# kernel -> (page rows, heads, top-k) per release.
-ENVELOPES = {
-    "0.32.0": {
-        env.FLASHINFER_DECODE: ((64,), HEADS_1_128, ANY),
-        env.FLASHINFER_DECODE_EXTRA: (ANY, HEADS_1_128, ANY),
-        env.FLASHINFER_PREFILL: ((64,), PREFILL_HEADS, ANY),
-        env.FLASHINFER_PREFILL_EXTRA: ((2, 64), PREFILL_HEADS, ANY),
-        **SAME_IN_ALL,
-    },
-    "0.33.0": {**RUNTIME_FLASHINFER, **SAME_IN_ALL},
-    "0.34.0": {**RUNTIME_FLASHINFER, **SAME_IN_ALL},
-}
+VLLM_ENVELOPES = {"0.32.0": VLLM_OPS, "0.33.0": VLLM_OPS, "0.34.0": VLLM_OPS}
 
 
 def _shown(values: env.Values | None) -> str | tuple[int, ...] | None:
@@ -296,7 +365,11 @@ def test_kernel_envelopes_are_the_table_of_this_release(fresh):
     envelopes = fresh.kernel_envelopes()
     assert list(envelopes) == list(env.KERNELS)
     got = {k: (_shown(e.rows), _shown(e.heads), _shown(e.topk)) for k, e in envelopes.items()}
-    assert got == ENVELOPES[_release()]
+    assert got == {
+        **_recorded(FLASHINFER_ENVELOPES, _flashinfer(), "FlashInfer envelopes"),
+        **_recorded(DEEP_GEMM_ENVELOPES, _deep_gemm(), "DeepGEMM envelopes"),
+        **_recorded(VLLM_ENVELOPES, _release(), "vLLM's kernel envelopes"),
+    }
     for envelope in envelopes.values():
         assert envelope.known and envelope.sources, envelope
     site = _site()
@@ -319,7 +392,7 @@ def test_every_source_line_is_the_declaration_read():
 
 
 def test_rows_per_cache_and_the_kernels_that_reject_them():
-    dsv4_runtime = _release() != "0.32.0"
+    dsv4_runtime = _recorded(RUNTIME_PAGES, _flashinfer(), "FlashInfer's DSV4 page size")
     assert env.accepts_rows(env.INDEXER, 32) is True
     assert env.accepts_rows(env.INDEXER, 128) is False
     assert {e.kernel for e in env.rejecting_kernels(env.INDEXER, 128)} == {
@@ -342,8 +415,9 @@ STATEMENTS = {
     "0.34.0": {"paged": (64,), "indexer": [64], "flashinfer": [64]},
 }
 # (statement, kernel, cache, compress ratio (0: the statement leaves rows out), rows)
+# per (vLLM release, FlashInfer, DeepGEMM): vLLM's statements against the kernels'.
 DISAGREEMENTS = {
-    "0.32.0": {
+    ("0.32.0", "0.7.0.post1", f"{DEEP_GEMM} 2.8.0"): {
         ("get_paged_mqa_page_sizes()", env.DEEPGEMM_LOGITS_FP8, env.INDEXER, 0, (32,)),
         ("get_paged_mqa_page_sizes()", env.DEEPGEMM_LOGITS_FP4, env.INDEXER, 0, (32,)),
         (
@@ -368,7 +442,7 @@ DISAGREEMENTS = {
             (128,),
         ),
     },
-    "0.33.0": {
+    ("0.33.0", "0.7.2.post1", f"{DEEP_GEMM} 2.8.1"): {
         ("get_paged_mqa_page_sizes()", env.DEEPGEMM_LOGITS_FP8, env.INDEXER, 0, (32,)),
         ("get_paged_mqa_page_sizes()", env.DEEPGEMM_LOGITS_FP4, env.INDEXER, 0, (32,)),
         (
@@ -386,7 +460,7 @@ DISAGREEMENTS = {
             (128,),
         ),
     },
-    "0.34.0": {
+    ("0.34.0", "0.7.4", f"{DEEP_GEMM} 2.8.1"): {
         ("get_paged_mqa_page_sizes()", env.DEEPGEMM_LOGITS_FP8, env.INDEXER, 0, (32,)),
         ("get_paged_mqa_page_sizes()", env.DEEPGEMM_LOGITS_FP4, env.INDEXER, 0, (32,)),
     },
@@ -436,7 +510,8 @@ def test_disagreements_name_both_sources(fresh):
         (d.statement.name, d.envelope.kernel, d.cache, d.compress_ratio, tuple(sorted(d.rows)))
         for d in found
     }
-    assert got == DISAGREEMENTS[_release()]
+    build = (_release(), _flashinfer(), _deep_gemm())
+    assert got == _recorded(DISAGREEMENTS, build, "disagreements")
     for d in found:
         text = str(d)
         assert d.statement.source is not None and d.statement.source.path in text
@@ -541,7 +616,7 @@ def test_an_uncovered_vllm_release_gives_unknown_envelopes(fresh, monkeypatch):
     envelopes = fresh.kernel_envelopes()
     for envelope in envelopes.values():
         assert not envelope.known and envelope.accepts_rows(64) is None
-        assert envelope.unknown == "vLLM 0.31.0 is not a covered release (0.32.0, 0.33.0, 0.34.0)"
+        assert envelope.unknown == f"vLLM 0.31.0 is not a covered release ({', '.join(DSV41)})"
         assert "unknown (vLLM 0.31.0" in envelope.describe()
     assert env.accepts_rows(env.INDEXER, 64) is None
     assert env.rejecting_kernels(env.INDEXER, 128) == []

@@ -15,12 +15,13 @@ import functools
 import itertools
 
 import pytest
+from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 
 
 def _dspark():

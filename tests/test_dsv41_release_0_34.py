@@ -18,7 +18,7 @@ from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.patching import State
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release("0.34.0")
+pytestmark = [pytest.mark.vllm_release("0.34.0"), pytest.mark.usefixtures("kernels_as_locked")]
 
 # The three reviewed definitions 0.34.0 changed, with their new fingerprints.
 CHANGED_IN_0_34 = {

@@ -21,11 +21,12 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 
 
 def _engine_core_merge():
@@ -76,7 +77,7 @@ def test_workers_with_different_geometries_stop_with_both_named(monkeypatch):
     assert fix.GEOMETRY_ENV in message and "Ray workers" in message
 
 
-@pytest.mark.vllm_release("0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41, ">=0.33.0"))
 def test_workers_that_agree_reach_vllms_own_merge(monkeypatch):
     monkeypatch.setenv(fix.GEOMETRY_ENV, fix.SPLIT)
     with repro.applied((12, 0)):

@@ -19,14 +19,15 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.patching import State, run_fix
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 # The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/test_dsv41_release_0_34.py).
-before_0_34 = pytest.mark.vllm_release("0.32.0", "0.33.0")
+before_0_34 = pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 
 REPORT_ERROR = (
     "SM120 sparse-MLA has no decode kernel for this shape: num_tokens=8, num_heads=8, "
@@ -615,7 +616,7 @@ def test_drafter_sliding_window_pages_follow_the_installed_flashinfer(request):
         assert len(drafter_groups) == 1, drafter_groups
 
 
-@pytest.mark.vllm_release("0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41, ">=0.33.0"))
 @pytest.mark.parametrize(("count", "rows"), [(1, 64), (3, 128)])
 def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, rows):
     """Issue 25, item 4: where FlashInfer takes run-time page sizes, the fix
@@ -709,7 +710,7 @@ def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
     assert f"drafter sliding-window pages hold 64 tokens ({fix.DRAFTER_SWA_ENV}=64)" in reason
 
 
-@pytest.mark.vllm_release("0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41, ">=0.33.0"))
 def test_drafter_pages_can_be_forced_to_128(monkeypatch):
     """``=128`` skips the planning: one drafter layer keeps 128-row pages,
     where planning would give it 64."""

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
@@ -25,7 +26,10 @@ from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 from vllm_mla_fixes.reproductions import dsv41_truth_table as table
 
-pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+pytestmark = [
+    pytest.mark.vllm_release(*covered(DSV41)),
+    pytest.mark.usefixtures("kernels_as_locked"),
+]
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 

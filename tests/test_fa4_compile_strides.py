@@ -23,11 +23,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FA4, covered, oldest
 
 from vllm_mla_fixes.fixes import fa4_compile_strides as fix
 from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
 
-AFFECTED = ("0.25.0", "0.25.1")
+AFFECTED = covered(FA4)
 FULL = os.environ.get("VLLM_MLA_FIXES_FA4_FULL") == "1"
 needs_full = pytest.mark.skipif(
     not FULL, reason="set VLLM_MLA_FIXES_FA4_FULL=1 (compiles 16+ kernels)"
@@ -112,7 +113,7 @@ def test_gate_not_needed_on_0_24_0(tmp_path):
     assert "no compile-only tensor specs" in gate["functional_probe"]["reason"]
 
 
-@pytest.mark.vllm_release("0.26.0", "0.32.0")
+@pytest.mark.vllm_release(FA4.fixed_in, oldest(DSV41))  # the fixing release, and a later one
 def test_gate_not_needed_on_fixed_releases(tmp_path):
     gate = run_harness(tmp_path, "--gate", timeout=600)
     assert gate["status"] == "not-needed"

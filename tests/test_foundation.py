@@ -9,12 +9,13 @@ import subprocess
 import sys
 
 import pytest
+from fix_releases import DSV41, FP8, covered, newest
 
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import ALL_FIXES, FIXES_BY_NAME, fp8_ds_mla_reshape
 from vllm_mla_fixes.patching import Patch, State, TargetMismatch
 
-RELEASES_WITH_FIXES = ("0.25.1", "0.32.0", "0.33.0")
+RELEASES_WITH_FIXES = (newest(FP8), *covered(DSV41, "<0.34.0"))
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -68,7 +69,7 @@ def test_vllm_plugin_loader_runs_register(vllm_plugins, runs):
         ), labels
 
 
-@pytest.mark.vllm_release("0.25.1", "0.33.0")
+@pytest.mark.vllm_release(newest(FP8), "0.33.0")
 def test_replace_function_rebinds_imported_names_and_reverts():
     from vllm.v1 import kv_cache_interface
     from vllm.v1.attention import backend  # imports get_kv_quant_mode by name
@@ -133,41 +134,32 @@ print("FAILED", patch.failed)
     )
 
 
-VERSIONS = [
-    "0.24.0",
-    "0.25.0",
-    "0.25.1",
-    "0.26.0",
-    "0.32.0",
-    "0.33.0",
-    "0.25.2rc1.dev1133+g1234abc",
-    "0.23.1rc1.dev1133+g1234abc",
-    "not-a-version",
-]
-# The release range only admits a build to probing; the probe of the real code
-# decides (e.g. fa4-compile-strides is admitted on 0.24.0 and its probe says no).
-EXPECTED_ADMITTED = {
-    "fp8-ds-mla-reshape": {"0.25.0", "0.25.1", "0.25.2rc1.dev1133+g1234abc"},
-    "fa4-compile-strides": {
-        "0.24.0",
-        "0.25.0",
-        "0.25.1",
-        "0.25.2rc1.dev1133+g1234abc",
-        "0.23.1rc1.dev1133+g1234abc",
-    },
-    "dsv41-sm120-geometry": {"0.32.0", "0.33.0"},
+# Version -> the fixes whose release range admits it to probing.  The range
+# only admits a build; the probe of the real code decides (e.g.
+# fa4-compile-strides is admitted on 0.24.0 and its probe says no).
+BOTH_0_25 = {"fp8-ds-mla-reshape", "fa4-compile-strides"}
+EXPECTED_ADMITTED: dict[str, set[str]] = {
+    "0.24.0": {"fa4-compile-strides"},
+    "0.25.0": BOTH_0_25,
+    "0.25.1": BOTH_0_25,
+    "0.26.0": set(),
+    "0.32.0": {"dsv41-sm120-geometry"},
+    "0.33.0": {"dsv41-sm120-geometry"},
+    "0.25.2rc1.dev1133+g1234abc": BOTH_0_25,
+    "0.23.1rc1.dev1133+g1234abc": {"fa4-compile-strides"},
+    "not-a-version": set(),
 }
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", list(EXPECTED_ADMITTED))
 @pytest.mark.parametrize("fix", [m.INFO.name for m in ALL_FIXES])
 def test_release_gate_decisions(fix, version):
-    assert FIXES_BY_NAME[fix].INFO.admits(version) is (version in EXPECTED_ADMITTED[fix])
+    assert FIXES_BY_NAME[fix].INFO.admits(version) is (fix in EXPECTED_ADMITTED[version])
 
 
-def test_published_affected_releases_pass_their_own_gate():
+def test_covered_releases_pass_their_own_gate():
     for module in ALL_FIXES:
-        for release in module.INFO.affected_releases:
+        for release in module.INFO.covered_releases:
             assert module.INFO.admits(release), (module.INFO.name, release)
         if module.INFO.fixed_in:
             assert not module.INFO.admits(module.INFO.fixed_in)

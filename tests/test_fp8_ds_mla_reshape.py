@@ -12,13 +12,14 @@ import pickle
 
 import pytest
 import torch
+from fix_releases import FP8, covered
 
 from vllm_mla_fixes.fixes import fp8_ds_mla_reshape
 from vllm_mla_fixes.patching import State
 from vllm_mla_fixes.reproductions import fp8_ds_mla as repro
 
-AFFECTED = ("0.25.0", "0.25.1")
-NOT_AFFECTED = ("0.24.0", "0.26.0")
+AFFECTED = covered(FP8)
+NOT_AFFECTED = {"0.24.0": "before the bug", "0.26.0": "fixed upstream"}
 RUNNERS = ("v1", "v2")
 
 

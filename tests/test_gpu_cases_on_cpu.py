@@ -35,6 +35,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FP8, covered
 
 TESTS = Path(__file__).resolve().parent
 GPU_TESTS = TESTS / "gpu"
@@ -216,7 +217,7 @@ def harness_reads():
     return runs
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41))
 def test_dsv41_probe_reads_pages_as_the_harness_reader(harness_reads):
     from gpu.inprocess.call_probes import relative_error
 
@@ -226,7 +227,7 @@ def test_dsv41_probe_reads_pages_as_the_harness_reader(harness_reads):
             assert relative_error(call["probe"], call["harness"]) < 1e-5, geometry
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41))
 def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harness_reads):
     """The GPU comparison's tolerance holds for the fix and is exceeded by orders of
     magnitude by a wrong page (the harness reader's error against the dense truth,
@@ -248,7 +249,7 @@ def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harne
     assert unwritten["control"] > 0
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41))
 def test_dsv41_call_probe_wraps_the_entry_vllm_calls(tmp_path):
     """Imported through sitecustomize, vLLM's modules call the probes, which call through:
     FlashInfer's SM120 entry, DeepGEMM's paged MQA logits in the sparse indexer, the
@@ -536,7 +537,7 @@ def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
 @pytest.mark.parametrize(
     "version, block_size",
     # 0.34.0 with --block-size 64 is no bug case: upstream's layout works there.
-    [(v, b) for v in ("0.32.0", "0.33.0", "0.34.0") for b in (64, 128) if (v, b) != ("0.34.0", 64)],
+    [(v, b) for v in covered(DSV41) for b in (64, 128) if (v, b) != ("0.34.0", 64)],
 )
 def test_dsv41_without_fix_fails_on_an_unrelated_failure(version, block_size):
     """Each without-fix GPU case passes only on the bug's own signal: a server that never
@@ -782,7 +783,7 @@ def _built(seen: dict) -> None:
     assert "engine_config_error" not in seen, seen["engine_config_error"]
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
+@pytest.mark.vllm_release(*covered(DSV41))
 def test_dsv41_gpu_serve_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
     """Every DeepSeek-V4.1 GPU test line: the report's flags reach the engine arguments
     as the test means them, and the release builds its VllmConfig from them (CPU platform)."""
@@ -800,7 +801,7 @@ def test_dsv41_gpu_serve_lines_parse_and_build_with_the_releases_own_parser(serv
         assert seen["load_format"] == "dummy", seen
 
 
-@pytest.mark.vllm_release("0.25.0", "0.25.1")
+@pytest.mark.vllm_release(*covered(FP8))
 def test_fp8_and_fa4_gpu_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
     serve, bench, llm = serve_lines["serve"], serve_lines["bench"], serve_lines["llm"]
     for name in ("fp8 (cuda graphs)", "fp8 --enforce-eager"):

@@ -39,6 +39,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, covered
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -354,7 +355,7 @@ def _long_running(argv: list[str]) -> bool:
         return True
     from vllm_mla_fixes import installed_vllm_version
 
-    if args.command == "selftest" and installed_vllm_version() in cli.DSV41_TABLE_RELEASES:
+    if args.command == "selftest" and installed_vllm_version() in covered(DSV41):
         return True
     return args.command == "status" and args.json and args.truth_table
 

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
+from packaging.version import Version
 
 import vllm_mla_fixes
 from vllm_mla_fixes.fixes import ALL_FIXES
@@ -34,12 +36,22 @@ files_only = pytest.mark.vllm_release("0.34.0")
 
 
 @files_only
-def test_release_workflow_checks_every_shipped_release():
+def test_release_workflow_checks_every_shipped_release(capsys):
+    """The workflow's check jobs are the releases ``release_check.py releases``
+    prints: every release a fix covers, each with its lock file."""
     workflow = (ROOT / ".github" / "workflows" / "release.yml").read_text()
-    matrix = re.search(r"^\s+release: \[(.*)\]$", workflow, re.MULTILINE)
-    assert matrix is not None
-    assert tuple(json.loads(f"[{matrix.group(1)}]")) == release_check.RELEASES
-    assert all((ROOT / "envs" / f"vllm-{r}.txt").is_file() for r in release_check.RELEASES)
+    jobs = yaml.safe_load(workflow)["jobs"]
+    (releases_step,) = [s for s in jobs["build"]["steps"] if s.get("id") == "releases"]
+    assert "python scripts/release_check.py releases" in releases_step["run"]
+    assert jobs["build"]["outputs"]["releases"] == "${{ steps.releases.outputs.releases }}"
+    matrix = jobs["check"]["strategy"]["matrix"]
+    assert matrix == {"release": "${{ fromJSON(needs.build.outputs.releases) }}"}
+    assert release_check.main(["releases"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == sorted(
+        {r for fix in ALL_FIXES for r in fix.INFO.covered_releases}, key=Version
+    )
+    assert all((ROOT / "envs" / f"vllm-{r}.txt").is_file() for r in printed)
     assert 'on:\n  push:\n    tags: ["v*"]' in workflow
 
 

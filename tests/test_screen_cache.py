@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FP8, covered, newest, oldest
 
 from vllm_mla_fixes import patching, screen_cache
 from vllm_mla_fixes.fixes import ALL_FIXES
@@ -50,7 +51,7 @@ def test_a_screen_reads_only_the_modules_its_key_covers(fix, cache, monkeypatch)
     assert set(read) <= covered, sorted(set(read) - covered)
 
 
-@pytest.mark.vllm_release("0.25.1", "0.32.0")
+@pytest.mark.vllm_release(newest(FP8), oldest(DSV41))
 @pytest.mark.parametrize("fix", ALL_FIXES, ids=[f.INFO.name for f in ALL_FIXES])
 def test_cached_verdict_is_the_screened_one_and_parses_nothing(fix, cache):
     calls = []
@@ -111,7 +112,7 @@ def test_unusable_cache_falls_back_to_screening(cache, monkeypatch):
     assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_dsv41_probe_on_sm120_parses_nothing_the_second_time(cache):
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
 
@@ -155,7 +156,7 @@ def test_every_vllm_process_after_the_first_parses_nothing(tmp_path):
     assert results[0]["parsed"] > 0 and results[1]["parsed"] == 0
 
 
-@pytest.mark.vllm_release("0.32.0", "0.33.0")
+@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_a_changed_reviewed_table_is_screened_again(cache, monkeypatch):
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
 
@@ -203,7 +204,7 @@ UNUSABLE_CACHE_DIRS = {
 }
 
 
-@pytest.mark.vllm_release("0.25.1", "0.34.0")
+@pytest.mark.vllm_release(newest(FP8), newest(DSV41))
 @pytest.mark.parametrize("case", UNUSABLE_CACHE_DIRS, ids=str)
 def test_an_unusable_cache_folder_warns_once_and_turns_no_fix_off(
     case, fresh_plugin, plugin_log, monkeypatch, tmp_path

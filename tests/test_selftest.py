@@ -35,11 +35,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fix_releases
 import pytest
 
 from vllm_mla_fixes.selftest.timeline import CASES
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 TIMEOUT_S = 1800
 REGRESSED_FIX = """\
 # The fix as a regression would leave it: the ratio-1 writers keep manager-block slots.
@@ -189,6 +190,7 @@ def test_selftest_exits_1_when_the_fix_keeps_manager_block_slots(runs):
 
 
 @pytest.mark.vllm_release(*DSV41)
+@pytest.mark.usefixtures("kernels_as_locked")
 def test_upstream_runs_where_it_starts_with_what_the_kernels_declare(report):
     """0.32/0.33 start with --block-size 128: 128-state ratio-1 indexer pages, which
     DeepGEMM's SM120 host check refuses (0.32.0: also 32-row SWA pages, which

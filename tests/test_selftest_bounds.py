@@ -18,12 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fix_releases
 import pytest
 import torch
 
 from vllm_mla_fixes.selftest import bounds
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 
 # ------------------------------------------------------------------ bounds
 

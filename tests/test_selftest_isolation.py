@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fix_releases
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ from vllm_mla_fixes.selftest import kernels as kn
 from vllm_mla_fixes.selftest.timeline import CASES
 
 ROOT = Path(__file__).resolve().parents[1]
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 # The faulted run takes about 4 minutes of CPU: on the newest release only (the
 # isolation is the plugin's code, the same on every release).
 ISOLATED_RUN_ON = "0.34.0"

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import functools
 
+import fix_releases
 import kernel_calls as kc
 import pytest
 import torch
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(fix_releases.DSV41)
 # What the layer's __init__ sets that its compressed cache's spec and
 # writer depend on (DeepseekV4Attention.get_kv_cache_spec reads the last two).
 COMPRESSED_CACHE_ATTRIBUTES = ("kv_mxfp8", "compressed_bytes_per_token", "kv_page_alignment")

@@ -22,11 +22,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from fix_releases import DSV41, FP8, newest
 
 from vllm_mla_fixes import atomic, review, wheel
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.vllm_release("0.25.1", "0.34.0")
+pytestmark = pytest.mark.vllm_release(newest(FP8), newest(DSV41))
 UPSTREAM = "vllm-0.25.1-py3-none-any.whl"
 INFO = "vllm-0.25.1.dist-info/"
 METADATA = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n\nvLLM\n"

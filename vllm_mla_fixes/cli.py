@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import vllm_mla_fixes
 from vllm_mla_fixes import arguments, atomic, settings
 from vllm_mla_fixes.fixes import ALL_FIXES
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO as DSV41_INFO
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PROG = "vllm-mla-fixes"
@@ -144,7 +145,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "state": entry.state.value,
             "reason": entry.reason,
             "upstream": list(module.INFO.upstream),
-            "affected": list(module.INFO.affected_releases),
+            "affected": list(module.INFO.covered_releases),
             "fixed_in": module.INFO.fixed_in or "open",
         }
         for module, entry in zip(ALL_FIXES, statuses)
@@ -162,7 +163,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             reports = getattr(module, "engine_reports", None)
             if reports is not None:
                 document[module.DOCTOR_JSON_KEY] = reports()
-        if vllm_mla_fixes.installed_vllm_version() in DSV41_TABLE_RELEASES:
+        if vllm_mla_fixes.installed_vllm_version() in DSV41_INFO.covered_releases:
             from vllm_mla_fixes.reproductions import dsv41_truth_table
 
             with logs_to_stderr():
@@ -185,14 +186,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return exit_status
 
 
-DSV41_TABLE_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
-
-
 def _kernel_disagreements() -> list[str]:
     """Where vLLM's statement about a DeepSeek-V4.1 kernel on SM12x and the
     kernel's own declaration in the installed build differ, with both sources
     (empty outside the releases the fix covers)."""
-    if vllm_mla_fixes.installed_vllm_version() not in DSV41_TABLE_RELEASES:
+    if vllm_mla_fixes.installed_vllm_version() not in DSV41_INFO.covered_releases:
         return []
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
 
@@ -439,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_selftest,
         "DeepSeek-V4.1: prove the fixed KV page layout on this device",
         "Runs the writers and readers vLLM uses on this device over the fixed KV layout\n"
-        "(vLLM 0.32.0 to 0.34.0) and compares every read with a dense reference. Without\n"
+        f"(vLLM {DSV41_INFO.covered_releases[0]} to {DSV41_INFO.covered_releases[-1]}) and "
+        "compares every read with a dense reference. Without\n"
         "a GPU, vLLM's Triton kernels run in Triton's interpreter.",
         _exit_codes(
             "0  pass",

@@ -19,7 +19,7 @@ def matrix_markdown() -> str:
         info = module.INFO
         uncovered = "; ".join(f"{', '.join(n.releases)} ({n.why})" for n in info.not_covered) or "-"
         lines.append(
-            f"| `{info.name}` | {', '.join(info.affected_releases)} | {uncovered} | "
+            f"| `{info.name}` | {', '.join(info.covered_releases)} | {uncovered} | "
             f"{info.newest_reviewed} | {info.fixed_in or 'open'} | {info.hardware} | "
             f"{', '.join(info.upstream)} |"
         )

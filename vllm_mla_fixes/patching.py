@@ -49,22 +49,40 @@ class NotCovered:
 
 @dataclasses.dataclass(frozen=True)
 class FixInfo:
-    """Facts about one fix; every report and table reads them from here."""
+    """Facts about one fix; every report, table, test session and release
+    artifact reads them from here.
+
+    The release facts are declared once: ``covered_releases`` lists the
+    published vLLM releases the fix covers (the project tests, verifies and
+    ships patched wheels for each, and nowhere else spells that list); the
+    reviewed releases and the newest of them follow from it and ``fixed_in``.
+    Adding a vLLM release to a fix is adding it to ``covered_releases``.
+    """
 
     name: str
     summary: str
     upstream: tuple[str, ...]
     affected: str  # PEP 440 specifier of the releases the gate admits for probing
-    affected_releases: tuple[str, ...]  # the published releases the fix covers
+    covered_releases: tuple[str, ...]  # the published releases the fix covers, oldest first
     fixed_in: str | None  # first fixed release, None while upstream is open
-    newest_reviewed: str  # the newest release whose code was reviewed for this fix
     hardware: str
     error: str  # the upstream error text, as operators see it
-    workarounds: tuple[str, ...]
     not_covered: tuple[NotCovered, ...] = ()
 
     def admits(self, version: str) -> bool:
         return release_admitted(version, self.affected)
+
+    @property
+    def reviewed_releases(self) -> tuple[str, ...]:
+        """The releases whose code was reviewed for this fix: every covered one,
+        and the release that fixed the bug upstream."""
+        fixed = () if self.fixed_in is None else (self.fixed_in,)
+        return tuple(sorted({*self.covered_releases, *fixed}, key=Version))
+
+    @property
+    def newest_reviewed(self) -> str:
+        """The newest release whose code was reviewed for this fix."""
+        return self.reviewed_releases[-1]
 
 
 class State(str, enum.Enum):
@@ -92,9 +110,13 @@ class TargetMismatch(Exception):
     """The target's code is not the code the fix was written against."""
 
 
-def release_decision(info: FixInfo, version: str) -> FixStatus | None:
+def release_decision(
+    info: FixInfo, version: str, newest_reviewed: str | None = None
+) -> FixStatus | None:
     """What the release alone decides for a fix, or ``None`` when the release
-    is admitted and the probe of its code decides.  One rule for every fix:
+    is admitted and the probe of its code decides.  ``newest_reviewed``: the
+    decision as of that release, when nothing newer had been reviewed
+    (``review --against``); by default the fix's own.  One rule for every fix:
 
     * at or after ``fixed_in``: not-needed;
     * in a ``not_covered`` range: skipped (the bug is there, the fix is not);
@@ -119,13 +141,14 @@ def release_decision(info: FixInfo, version: str) -> FixStatus | None:
                 info.name,
                 State.SKIPPED,
                 f"bug present in vLLM {version}, not covered here; upgrade to "
-                f"{info.affected_releases[0]}+ ({uncovered.why})",
+                f"{info.covered_releases[0]}+ ({uncovered.why})",
             )
-    if info.fixed_in is None and release > Version(info.newest_reviewed):
+    reviewed = newest_reviewed or info.newest_reviewed
+    if info.fixed_in is None and release > Version(reviewed):
         return FixStatus(
             info.name,
             State.SKIPPED,
-            f"not reviewed: vLLM {version} is newer than {info.newest_reviewed}, the newest "
+            f"not reviewed: vLLM {version} is newer than {reviewed}, the newest "
             "release reviewed for this fix, and the bug is open upstream",
         )
     if not info.admits(version):

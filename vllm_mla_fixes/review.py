@@ -158,9 +158,8 @@ def gate(module: ModuleType, version: str, against: str | None = None) -> tuple[
     """The release gate's decision for ``version`` and whether the release is in
     the fix's scope.  ``against``: as of that release, nothing newer was reviewed."""
     info = module.INFO
-    if against is not None and Version(against) < Version(info.newest_reviewed):
-        info = dataclasses.replace(info, newest_reviewed=against)
-    decided = patching.release_decision(info, version)
+    as_of = None if against is None else min(against, info.newest_reviewed, key=Version)
+    decided = patching.release_decision(info, version, newest_reviewed=as_of)
     if decided is None:
         return "admitted: the probe decides", True
     not_reviewed = decided.state is State.SKIPPED and decided.reason.startswith("not reviewed")

@@ -84,24 +84,11 @@ INFO = FixInfo(
     "fails the kernel's argument check and EngineCore dies",
     upstream=("vllm#49200", "flash-attention@caaa4eb (vllm-project/flash-attention#157)"),
     affected=">=0.23.1.dev0,<0.26.0",
-    affected_releases=("0.25.0", "0.25.1"),
+    covered_releases=("0.25.0", "0.25.1"),
     fixed_in="0.26.0",
-    newest_reviewed="0.26.0",
     hardware="SM100/SM103 (B200, GB200, B300) with FA4 MLA prefill; H100/H200 use FA3 and are immune",
     error="ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(mQ: "
     "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",
-    workarounds=(
-        "--kernel-config '{\"enable_cutedsl_warmup\": false}': FA4 kernels then compile from "
-        "real tensors with dynamic strides; cost: a JIT stall (about 15-25 s on the serving "
-        "path) the first time each kernel key is used",
-        '--attention-config \'{"mla_prefill_backend": "TRTLLM_RAGGED"}\': MLA prefill leaves '
-        "FA4 altogether (confirmed upstream); cost: a different prefill kernel, compare throughput",
-        "VLLM_BATCH_INVARIANT=1 forces num_splits=1 (no Split-KV); cost: batch-invariant mode's "
-        "broad side effects and slower long-context prefill",
-        "upgrade to vLLM 0.26.0 (fixed); caveat: it pins nvidia-cutlass-dsl 4.6.0, which a "
-        "third-party report (vllm#51566, unverified) says rejects the SM100 Split-KV kernel "
-        "with TYPE_UNSTABLE_JOIN, fixed in cutlass-dsl 4.6.2",
-    ),
 )
 
 FA_PACKAGE = "vllm.vllm_flash_attn"

@@ -57,18 +57,10 @@ INFO = FixInfo(
     "the MLA KV spec says 'not quantised' and the reshape asks for 576 B/token",
     upstream=("vllm#48896", "vllm#48378", "vllm#48379", "vllm#48907"),
     affected=">0.24.0,<0.26.0",
-    affected_releases=("0.25.0", "0.25.1"),
+    covered_releases=("0.25.0", "0.25.1"),
     fixed_in="0.26.0",
-    newest_reviewed="0.26.0",
     hardware="SM90, SM100 (FLASHMLA_SPARSE)",
     error="RuntimeError: shape '[32, 64, 576]' is invalid for input of size 1343488",
-    workarounds=(
-        "--enforce-eager does NOT help on 0.25.x: it only skips CUDA-graph profiling; "
-        "KV-cache initialisation then fails the same way ([N, 64, 576] with N = the real block count)",
-        "--kv-cache-dtype auto: bf16 KV, a consistent 576x2 B layout, about 1.75x the KV memory",
-        "on SM100: --attention-backend FLASHINFER_MLA_SPARSE (plain fp8, 576 B layout)",
-        "upgrade to vLLM 0.26.0 or later",
-    ),
 )
 
 FP8_DS_MLA = "fp8_ds_mla"

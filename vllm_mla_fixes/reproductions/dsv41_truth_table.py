@@ -94,33 +94,6 @@ class Cell:
         }
 
 
-def cell_from_dict(facts: dict[str, Any]) -> Cell:
-    """A cell as :meth:`Cell.as_dict` wrote it (a cached or printed table)."""
-
-    def ints(values: dict[str, Any] | None) -> dict[int, Any] | None:
-        return None if values is None else {int(k): v for k, v in values.items()}
-
-    return Cell(
-        vllm=facts["vllm"],
-        device=facts["device"],
-        block_size=facts["block_size"],
-        picked_block_size=facts["picked_block_size"],
-        speculation=facts["speculation"],
-        upstream_starts=facts["upstream_starts"],
-        start_error=facts["start_error"],
-        upstream_rejected=tuple(
-            upstream.Rejection(r["cache"], r["rows"], r["kernel"])
-            for r in facts["upstream_rejected"]
-        ),
-        unknown_envelopes=tuple(facts["unknown_envelopes"]),
-        upstream_tokens=ints(facts["upstream_tokens_per_gib"]),
-        decision=facts["decision"],
-        reason=facts["reason"],
-        fix_tokens=ints(facts["fix_tokens_per_gib"]) or {},
-        vs_best_working_upstream=ints(facts["vs_best_working_upstream"]),
-    )
-
-
 def _str_keys(values: dict[int, Any] | None) -> dict[str, Any] | None:
     return None if values is None else {str(k): v for k, v in values.items()}
 
@@ -364,7 +337,7 @@ def _cache_file() -> Path | None:
         flashinfer = version("flashinfer-python")
     except PackageNotFoundError:
         return None
-    if installed not in envelope.COVERED_VLLM:
+    if installed not in fix.INFO.covered_releases:
         return None
     package = Path(__file__).resolve().parent.parent
     sources = sorted((package / "fixes" / "dsv41_sm120_geometry").rglob("*.py"))

@@ -55,7 +55,7 @@ def _preflight(device: Device) -> str | None:
         return (
             f"{fix.INFO.name} is {decided.state.value} on vLLM {version}: {decided.reason}. "
             f"The self-test proves that fix's geometry, which covers vLLM "
-            f"{', '.join(fix.INFO.affected_releases)}"
+            f"{', '.join(fix.INFO.covered_releases)}"
         )
     if device.kind == "cpu":
         from .env import interpreter_problem

@@ -89,10 +89,6 @@ def detect_device() -> Device:
     return Device("cpu", torch.device("cpu"), "CPU")
 
 
-class KernelUnavailable(RuntimeError):
-    """A kernel the device should have cannot be called (say why)."""
-
-
 class Kernels:
     """The writers and readers of one device, each real or stand-in
     (:attr:`sources` says which, and why a stand-in)."""

@@ -452,22 +452,3 @@ def sm120_sparse_decode(
             rows.append(read_kv_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
         out[t] = sink_softmax_attention(q[t], torch.cat(rows), sink, scale)
     return out
-
-
-def error_figures(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """max |got - ref| (non-finite outputs count as infinite), that over
-    max |ref|, the count of non-finite outputs, and max |got - ref| over the
-    finite outputs alone."""
-    got = got.float()
-    ref = ref.float()
-    finite = torch.isfinite(got)
-    diff = torch.nan_to_num(got - ref, nan=float("inf")).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    finite_diff = diff[finite]
-    ref_max = float(ref.abs().max()) if ref.numel() else 0.0
-    return {
-        "max_abs": max_abs,
-        "rel": max_abs / ref_max if ref_max > 0 else float("inf"),
-        "non_finite": int((~finite).sum()),
-        "finite_max_abs": float(finite_diff.max()) if finite_diff.numel() else 0.0,
-    }

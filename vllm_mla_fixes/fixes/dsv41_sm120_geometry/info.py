@@ -25,18 +25,11 @@ INFO = FixInfo(
         "flashinfer#5174",
         "flashinfer#5244",
     ),
-    affected=">=0.32.0.dev0,<=0.34.0",
-    affected_releases=("0.32.0", "0.33.0", "0.34.0"),
+    affected=">=0.32.0.dev0",  # up to the newest covered release: newer ones are not reviewed
+    covered_releases=("0.32.0", "0.33.0", "0.34.0"),
     fixed_in=None,
-    newest_reviewed="0.34.0",
     hardware="SM120, SM121 (FLASHINFER_MLA_SPARSE_DSV41)",
     error="ValueError: No common block size for 64 (FLASHINFER_MLA_SPARSE_DSV41: [128]).",
-    workarounds=(
-        "none upstream: --block-size 128 starts, but FlashInfer 0.7.0.post1 then rejects the "
-        "32-token sliding-window page on the first request ('page_block_size=32')",
-        "PR #56509 (kernel blocks of 64 inside 128-token blocks) starts but produces U+FFFD: "
-        "do not serve with it",
-    ),
     not_covered=(
         patching.NotCovered(
             ">=0.30.0.dev0,<0.32.0.dev0",

@@ -9,7 +9,6 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-COVERED_VLLM = ("0.32.0", "0.33.0", "0.34.0")
 # The FlashInfer releases whose declarations were read when this module was
 # written; another one (e.g. 0.7.3, which 0.34.0 pins but PyPI never had) gives
 # unknown FlashInfer envelopes until its declarations are reviewed.

@@ -7,10 +7,12 @@ import functools
 import hashlib
 from pathlib import Path
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO
+
 from . import installed
 from .deep_gemm import deep_gemm_envelopes
 from .flashinfer import flashinfer_envelopes
-from .model import COVERED_VLLM, KERNELS, KernelEnvelope, unknown_envelope
+from .model import KERNELS, KernelEnvelope, unknown_envelope
 from .vllm_kernels import vllm_kernel_envelopes
 
 
@@ -19,9 +21,9 @@ def kernel_envelopes() -> dict[str, KernelEnvelope]:
     """Every kernel that reads or writes a DeepSeek-V4.1 cache on SM12x, with
     what the installed build declares it accepts (read once per process)."""
     found = installed.installed_version("vllm")
-    if found not in COVERED_VLLM:
+    if found not in INFO.covered_releases:
         reason = f"vLLM {found or 'is not installed'}" + (
-            f" is not a covered release ({', '.join(COVERED_VLLM)})" if found else ""
+            f" is not a covered release ({', '.join(INFO.covered_releases)})" if found else ""
         )
         return {k: unknown_envelope(k, reason) for k in KERNELS}
     envelopes = {**flashinfer_envelopes(), **deep_gemm_envelopes(), **vllm_kernel_envelopes()}
