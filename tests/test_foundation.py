@@ -284,13 +284,19 @@ def test_readme_matrix_is_generated_from_the_fix_records():
     assert matrix_markdown() in readme, "regenerate: python -m vllm_mla_fixes.matrix"
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_both_readme_commands():
+    """.ci/run runs the README's set-up commands as written: the lint session,
+    the tests, then `nox -t verify` (issue 37: a red verify fails CI)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
     test_command = next(ln for ln in readme.splitlines() if ln.endswith("&& nox"))
+    verify_command = next(ln for ln in readme.splitlines() if ln.endswith("&& nox -t verify"))
     install, *commands = test_command.split(" && ")
+    verify_install, verify = verify_command.split(" && ")
+    assert verify_install == install
+    commands.append(verify)
     assert install.removeprefix("python3 -m pip install ") in ci  # the same nox and uv pins
 
     def as_readme_writes_it(ci_line: str) -> str:
@@ -304,7 +310,7 @@ def test_ci_runs_the_readme_test_command():
         return " ".join(kept)
 
     ci_calls = [as_readme_writes_it(ln) for ln in ci.splitlines() if ln.lstrip().startswith("nox ")]
-    assert ci_calls == commands  # the lint session first, then the tests
+    assert ci_calls == commands  # the lint session first, then the tests, then verify
 
 
 @pytest.mark.vllm_release("0.25.1")

@@ -13,7 +13,9 @@ pull request from a fork that carries every label the workflow names."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -317,10 +319,17 @@ def test_the_release_publishes_only_after_the_lint_and_every_test():
     assert sorted(publishing) == ["github", "pypi"]
     for name in publishing:
         assert {"lint", "tests", "build", "check"} <= _closure(jobs, name), name
-    # the tests job is the whole suite: every release this project locks
+    # the tests job is the whole suite: every release this project locks, as
+    # the lint job's step lists them (run here as the workflow runs it)
     locked = sorted(p.name[len("vllm-") : -len(".txt")] for p in (ROOT / "envs").glob("vllm-*.txt"))
-    tested = jobs["tests"]["strategy"]["matrix"]["vllm"]
-    assert sorted(tested) == locked
+    assert (
+        jobs["tests"]["strategy"]["matrix"]["vllm"]
+        == "${{ fromJSON(needs.lint.outputs.sessions) }}"
+    )
+    (listing,) = [s["run"] for s in jobs["lint"]["steps"] if s.get("id") == "sessions"]
+    command = listing.splitlines()[0].removeprefix("sessions=$(").removesuffix(")")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
+    assert json.loads(done.stdout) == locked, done.stderr
     (run,) = [s["run"] for s in jobs["tests"]["steps"] if "nox" in s.get("run", "")[:3]]
     assert run == 'nox --non-interactive -s "vllm-$RELEASE"'
     assert "nox --non-interactive -s lint" in [s.get("run") for s in jobs["lint"]["steps"]]
