@@ -213,6 +213,7 @@ def predicted_geometry(serve, fixed: bool = True) -> list:
     import json
     import subprocess
 
+    from vllm_mla_fixes import children
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
@@ -222,13 +223,8 @@ def predicted_geometry(serve, fixed: bool = True) -> list:
     # Planning only: the GPU is not needed, and is not touched.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     try:
-        done = subprocess.run(
-            [*command, "--", *serve.raw],
-            capture_output=True,
-            text=True,
-            timeout=PREDICTION_TIMEOUT_S,
-            env=env,
-        )
+        # In a process group of its own, ended with doctor (children.run).
+        done = children.run([*command, "--", *serve.raw], PREDICTION_TIMEOUT_S, env=env)
         lines = done.stdout.strip().splitlines()
         prediction = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
