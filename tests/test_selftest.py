@@ -247,6 +247,23 @@ def test_split_layout_interleaves_64_row_ratio1_pages(report):
 
 
 @pytest.mark.vllm_release(*DSV41)
+def test_every_geometry_that_reads_back_launches_the_same_timed_work(report):
+    """The kernel timing compares equal work: the timed step launches the same
+    backbone layers' kernels over the same rows in every layout (the fix's
+    drafter layer is left out: upstream's layout has none)."""
+    work = {
+        g["name"]: g["timed_work"]
+        for g in report["geometries"]
+        if g["verdict"] in ("pass", "no failure here")
+    }
+    attention, logits = work["split"].values()
+    assert (attention["layers"], logits["layers"]) == ([0, 1, 2], [0, 1])
+    assert attention["rows"] == 3 * 4 and logits["rows"] == 2 * 4  # padded to 4 requests
+    assert set(work) >= {"split", "fallback"}
+    assert all(w == work["split"] for w in work.values()), work
+
+
+@pytest.mark.vllm_release(*DSV41)
 def test_selftest_times_the_slot_translation_beside_vllms_mapping(report):
     assert report["decode_step_timing"]["note"] == "not timed (no GPU)"
     timing = {t["tokens"]: t for t in report["slot_translation_us"]}

@@ -159,13 +159,7 @@ def test_cpu_run_reports_each_comparisons_error_bound_and_margin(short_run):
 def test_cpu_run_says_the_kernels_are_not_timed(short_run):
     timing = short_run["json"]["decode_step_timing"]
     assert timing["timed"] is False and timing["note"] == "not timed (no GPU)"
-    assert timing["us"] == {
-        "split": {
-            "attention decode (FlashInfer SM120 sparse MLA)": None,
-            "indexer decode logits + top-k (DeepGEMM paged MQA)": None,
-        }
-    }
-    assert set(timing["ratio_fix_over_upstream"].values()) == {None}
+    assert (timing["baseline"], timing["kernels"]) == (None, {})
     assert ": not timed (no GPU)" in short_run["text"]
 
 

@@ -24,17 +24,16 @@ verdict from the steps that exercise it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from . import bounds as bd
-from . import clock
 from . import kernels as kn
 from . import reference as ref
 from .env import drafter_pages_at_128, one_torch_thread, simulated_sm120_host
@@ -44,9 +43,10 @@ from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan,
 SENTINEL = 0xA5
 # How far a read may be off against the dense reference: :mod:`.bounds` derives
 # each comparison's bound from the formats (0 where nothing rounds differently).
-# The decode step whose kernel calls are timed on a GPU: a CUDA-graph padded
+# The decode step whose kernel launches are timed on a GPU: a CUDA-graph padded
 # decode of two requests, the same batch in every geometry.
 TIMED_STEP = next(plan.name for plan in TIMELINE if "graph-padded" in plan.cases)
+TIMED_KERNELS = (kn.ATTENTION_DECODE, kn.INDEXER_LOGITS)
 
 
 # ------------------------------------------------------------------ results
@@ -98,10 +98,9 @@ class GeometryResult:
     offloaded_bytes: int = 0  # bytes copied out and back by the offload-reload case
     aborted: str | None = None
     crashed_in: str | None = None  # the kernel of a device fault (or of its process's death)
-    # Median GPU time of one decode step's calls (every layer's attention
-    # decode, every indexer's logits), per kernel; None where not timed.
-    decode_step_us: dict[str, float | None] = field(default_factory=dict)
-    timing_note: str | None = None  # why a kernel was not timed
+    # What the timed step launches of each timed kernel: the layers, launches
+    # and rows (the same in every geometry, or their times do not compare).
+    timed_work: dict[str, dict[str, object]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def kernel(self, name: str) -> Tally:
@@ -212,6 +211,25 @@ class Inputs:
 # ---------------------------------------------------------------------- run
 
 
+class TimedLaunch(NamedTuple):
+    """One launch of a timed kernel in the timed step."""
+
+    layer: int
+    rows: int  # query rows the launch reads for
+    launch: kn.Launch
+
+
+def timed_work(launches: dict[str, list[TimedLaunch]]) -> dict[str, dict[str, object]]:
+    return {
+        kernel: {
+            "layers": sorted({t.layer for t in timed}),
+            "launches": len(timed),
+            "rows": sum(t.rows for t in timed),
+        }
+        for kernel, timed in launches.items()
+    }
+
+
 class Run:
     def __init__(
         self,
@@ -234,8 +252,10 @@ class Run:
         self.ever_held: set[int] = set()
         self.finished_blocks: set[int] = set()
         self.dense: dict[tuple, torch.Tensor] = {}  # dense reference rows, computed once
-        self.step_calls: dict[str, list] | None = None  # the timed step's kernel calls
-        self.times_decode = layout.device.type == "cuda"  # kernel times mean nothing on CPU
+        self.timed_step = TIMED_STEP
+        self.in_timed_step = False
+        # The timed step's launches of each timed kernel, kept from that step on.
+        self.timed_launches: dict[str, list[TimedLaunch]] = {k: [] for k in TIMED_KERNELS}
 
     # ---------------------------------------------------------- one step
 
@@ -266,11 +286,13 @@ class Run:
             changed = int((self.layout.storage[mask] != before).sum())
             if changed:
                 self.problem(plan, None, f"{changed} bytes of the cached prefix's pages changed")
-        timed = plan.name == TIMED_STEP and self.times_decode
-        self.step_calls = {kn.ATTENTION_DECODE: [], kn.INDEXER_LOGITS: []} if timed else None
-        self.read(batch)
-        if timed:
-            self.time_step()
+        self.in_timed_step = plan.name == self.timed_step
+        try:
+            self.read(batch)
+        finally:
+            self.in_timed_step = False
+        if plan.name == self.timed_step:
+            self.result.timed_work = timed_work(self.timed_launches)
         for name in plan.offload:
             self.offload_and_reload(plan, name, block_ids[name])
         accepted = dict(plan.accept)
@@ -348,6 +370,25 @@ class Run:
             if self.entering is not None:
                 self.entering("")
         return True
+
+    def timed(self, kernel: str, layer: int, rows: int, call: Callable[[], object]):
+        """``call``, its launches kept where it is the timed step's launch of a
+        timed kernel on a backbone layer: every geometry has those (upstream's
+        layout has no drafter layer), so each times the same work."""
+        if (
+            not self.in_timed_step
+            or kernel not in self.timed_launches
+            or layer >= self.model.backbone_layers
+        ):
+            return call
+
+        def recorded() -> None:
+            launches: list[kn.Launch] = []
+            with self.kernels.recording(launches):
+                call()
+            self.timed_launches[kernel] += [TimedLaunch(layer, rows, x) for x in launches]
+
+        return recorded
 
     def problem(self, plan: StepPlan, kernel: str | None, text: str) -> None:
         line = f"{plan.name}: {text}"
@@ -677,10 +718,11 @@ class Run:
                 )
             )
         for kernel, call in calls:
-            if not self.call(plan, kernel, f"layer {layer}", call):
+            rows_read = nd if kernel == kn.ATTENTION_DECODE else rows - nd
+            if not self.call(
+                plan, kernel, f"layer {layer}", self.timed(kernel, layer, rows_read, call)
+            ):
                 return
-            if self.step_calls is not None and kernel in self.step_calls:
-                self.step_calls[kernel].append(call)
         got = out.float().cpu()
         q_cpu = q.cpu()
         for r, first, end, pos0 in spans:
@@ -765,9 +807,9 @@ class Run:
             q_dev, weights_dev = q_fp8.to(device), weights.to(device)
             read: dict[str, torch.Tensor] = {}
 
-            def logits_call(q_dev=q_dev, weights_dev=weights_dev, decode=decode, view=view):
+            def paged_logits() -> None:
                 # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
-                return self.kernels.paged_logits(
+                read["logits"] = self.kernels.paged_logits(
                     q_dev,
                     view.unsqueeze(-2),
                     weights_dev,
@@ -778,12 +820,8 @@ class Run:
                     getattr(decode, "indices", None),  # SM100's varlen rows
                 )
 
-            def paged_logits() -> None:
-                read["logits"] = logits_call()
-
-            if self.call(plan, kn.INDEXER_LOGITS, cache.name, paged_logits):
-                if self.step_calls is not None:
-                    self.step_calls[kn.INDEXER_LOGITS].append(logits_call)
+            timed = self.timed(kn.INDEXER_LOGITS, cache.layer, batch_size, paged_logits)
+            if self.call(plan, kn.INDEXER_LOGITS, cache.name, timed):
                 logits = read["logits"].float().cpu()
                 lens = decode.seq_lens.cpu()
                 for b in range(min(batch_size, len(spans))):
@@ -825,34 +863,6 @@ class Run:
                     self.error(kn.INDEXER_GATHER, got[cu[b] : cu[b + 1]], want),
                 )
 
-    def time_step(self) -> None:
-        """Median GPU time of the step's decode calls of each real kernel
-        (all layers' calls together: one decode step), after warm-up."""
-        assert self.step_calls is not None
-        real = {
-            kernel: calls
-            for kernel, calls in self.step_calls.items()
-            if calls and self.kernels.is_real(kernel)
-        }
-        skipped = sorted(set(self.step_calls) - set(real))
-        if skipped:
-            self.result.timing_note = "not timed (stand-in or not called): " + "; ".join(skipped)
-        # the repeated calls are not reads: an observer of the calls (the GPU
-        # tests' probe) and the call count see each read once
-        observer, count = self.kernels.attention_observer, self.kernels.attention_calls
-        self.kernels.attention_observer = None
-        try:
-            medians = clock.time_calls(
-                {kernel: functools.partial(_call_each, calls) for kernel, calls in real.items()},
-                self.layout.device,
-            )
-        except Exception as exc:  # the time is a figure, not a verdict; the reads were compared
-            self.result.timing_note = f"timing failed: {type(exc).__name__}: {exc}"
-            medians = {}
-        finally:
-            self.kernels.attention_observer, self.kernels.attention_calls = observer, count
-        self.result.decode_step_us = {kernel: medians.get(kernel) for kernel in self.step_calls}
-
     def compare_topk(self, plan: StepPlan, got: torch.Tensor, want: torch.Tensor) -> None:
         """The kernel's top-k must be a top-k of the dense scores (ties and the
         kernel's summation order may reorder equals)."""
@@ -873,11 +883,6 @@ class Run:
         every block the run allocated."""
         own = self.layout.mask_of({name: sorted(self.ever_held) for name in self.layout.caches})
         return int(((self.layout.storage != SENTINEL) & ~own).sum())
-
-
-def _call_each(calls: list) -> None:
-    for call in calls:
-        call()
 
 
 def tiling_problems(layout: Layout) -> list[str]:
@@ -935,6 +940,46 @@ def _fix_for(geometry, device: kn.Device):
             yield applied
 
 
+@contextlib.contextmanager
+def _geometry_run(
+    name: str,
+    device: kn.Device,
+    kernels: kn.Kernels,
+    result: GeometryResult,
+    model: TinyModel | None,
+    seed: int,
+    entering: Callable[[str], None] | None = None,
+) -> Iterator[Run]:
+    """A run of geometry ``name`` on ``device``, its layout built by vLLM
+    inside what the geometry needs (the fix applied or not, vLLM's SM120
+    host on CPU, the attention entry point on ``kernels``); ``result`` gets
+    the layout's facts."""
+    geometry = GEOMETRIES[name]
+    model = model or TinyModel()
+    if not geometry.via_plugin:
+        model = model.without_drafter()
+    cpu = device.kind == "cpu"
+    host = simulated_sm120_host() if cpu else contextlib.nullcontext()
+    threads = one_torch_thread() if cpu else contextlib.nullcontext()
+    with (
+        threads,
+        host,
+        drafter_pages_at_128(),
+        _fix_for(geometry, device) as applied,
+        kernels.attention_entry(),
+    ):
+        layout = build_layout(geometry, model, SENTINEL, device.torch_device)
+        result.block_size = layout.block_size
+        result.layout = describe(layout)
+        result.guard_error = layout.guard_error
+        if applied is not None:
+            from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+
+            result.status = f"{applied.status.reason}; {fix.status_detail()}"
+        result.tiling_problems = tiling_problems(layout)
+        yield Run(layout, kernels, result, seed, entering)
+
+
 def run_geometry(
     name: str,
     device: kn.Device,
@@ -943,41 +988,16 @@ def run_geometry(
     seed: int = 0,
     plans: tuple[StepPlan, ...] = TIMELINE,
     entering: Callable[[str], None] | None = None,
-    timed: bool = True,
 ) -> GeometryResult:
     """Replay the timeline (or its first ``plans``) on one geometry; never
     raises for what it finds.  ``entering`` is told each kernel before it is
     called and ``""`` after it returns (a process that dies in a kernel is
-    charged to it); ``timed=False`` skips the GPU's decode-step timing."""
-    geometry = GEOMETRIES[name]
-    model = model or TinyModel()
-    if not geometry.via_plugin:
-        model = model.without_drafter()
+    charged to it)."""
     kernels = kernels or kn.Kernels.for_device(device)
     result = new_result(name)
     start = time.monotonic()
-    cpu = device.kind == "cpu"
-    host = simulated_sm120_host() if cpu else contextlib.nullcontext()
-    threads = one_torch_thread() if cpu else contextlib.nullcontext()
     try:
-        with (
-            threads,
-            host,
-            drafter_pages_at_128(),
-            _fix_for(geometry, device) as applied,
-            kernels.attention_entry(),
-        ):
-            layout = build_layout(geometry, model, SENTINEL, device.torch_device)
-            result.block_size = layout.block_size
-            result.layout = describe(layout)
-            result.guard_error = layout.guard_error
-            if applied is not None:
-                from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-
-                result.status = f"{applied.status.reason}; {fix.status_detail()}"
-            result.tiling_problems = tiling_problems(layout)
-            run = Run(layout, kernels, result, seed, entering)
-            run.times_decode = run.times_decode and timed
+        with _geometry_run(name, device, kernels, result, model, seed, entering) as run:
             for plan in plans:
                 run.step(plan)
             result.stray_bytes = run.stray_bytes()
@@ -989,3 +1009,28 @@ def run_geometry(
         result.layout.append(traceback.format_exc(limit=6))
     result.seconds = time.monotonic() - start
     return result
+
+
+def timed_step_launches(
+    name: str,
+    device: kn.Device,
+    kernels: kn.Kernels,
+    plans: tuple[StepPlan, ...] = TIMELINE,
+    timed_step: str = TIMED_STEP,
+    model: TinyModel | None = None,
+    entering: Callable[[str], None] | None = None,
+) -> tuple[GeometryResult, dict[str, list[TimedLaunch]]]:
+    """Replay ``plans`` on geometry ``name`` up to and including the step
+    named ``timed_step``; its result and the launches of the timed kernels
+    that step made (the run stops there, so their arguments stay as that step
+    left them).  Raises what stops the run."""
+    if timed_step not in [plan.name for plan in plans]:
+        raise ValueError(f"no step named {timed_step!r} to time")
+    result = new_result(name)
+    with _geometry_run(name, device, kernels, result, model, 0, entering) as run:
+        run.timed_step = timed_step
+        for plan in plans:
+            run.step(plan)
+            if plan.name == timed_step:
+                break
+    return result, run.timed_launches

@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from vllm_mla_fixes import children
 if TYPE_CHECKING:
     from .harness import GeometryResult
     from .kernels import Device
+    from .pairing import DecodeTiming
 
 _KERNEL_NAME_BYTES = 255
 
@@ -51,22 +53,65 @@ def run_isolated(
     device: Device,
     jobs: int,
     limit_seconds: float = DEFAULT_LIMIT_SECONDS,
-    timed: bool = True,
 ) -> list[GeometryResult]:
     """Run geometries ``names``, at most ``jobs`` processes at a time; results in
     the order of ``names``.  A process still running after ``limit_seconds``
-    is stopped and its geometry reported as hung in the kernel it was in.
-    Each process leads a process group of its own, ended whole when its
-    geometry is done, when it hangs, and when this process is stopped or dies
+    is stopped and its geometry reported as hung in the kernel it was in."""
+    outcomes = run_jobs(
+        [Job(name, _run_geometry, (name, device)) for name in names], device, jobs, limit_seconds
+    )
+    return [_geometry_result(name, outcomes[name], limit_seconds) for name in names]
+
+
+def run_timing(device: Device, baseline: str, limit_seconds: float) -> DecodeTiming:
+    """The decode step's kernels timed (:mod:`.pairing`) in a process of its
+    own, after the geometries: a fault there cannot reach their verdicts."""
+    from .pairing import DecodeTiming
+
+    outcome = run_jobs(
+        [Job("timing", _time_decode_step, (device, baseline))], device, 1, limit_seconds
+    )["timing"]
+    if isinstance(outcome, Lost):
+        return DecodeTiming.not_timed(f"not timed: the timing process {outcome.how}")
+    return outcome  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one process runs: ``target(*args, entering=...)``, a module-level
+    function (the process is spawned), whose return value is sent back."""
+
+    name: str
+    target: Callable[..., object]
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A job whose process did not report: it died, or was stopped hung."""
+
+    hung: bool
+    how: str  # "was killed by SIGSEGV in <kernel>", "was still running after 60 s ..."
+    kernel: str  # the kernel it was in, "" outside them
+    seconds: float
+
+
+def run_jobs(
+    jobs: list[Job], device: Device, parallel: int, limit_seconds: float
+) -> dict[str, object]:
+    """Each job's returned value (or :class:`Lost`), by name; at most
+    ``parallel`` processes at a time.  Each process leads a process group of
+    its own, ended whole when its job is done, when it runs past
+    ``limit_seconds``, and when this process is stopped or dies
     (:mod:`vllm_mla_fixes.children`)."""
     context = multiprocessing.get_context("spawn")
-    waiting = list(names)
+    waiting = list(jobs)
     running: dict[Any, _Worker] = {}  # by the receiving end of its pipe
-    results: dict[str, GeometryResult] = {}
+    outcomes: dict[str, object] = {}
     with children.supervised():
         while waiting or running:
-            while waiting and len(running) < jobs:
-                worker = _start(context, waiting.pop(0), device, timed)
+            while waiting and len(running) < parallel:
+                worker = _start(context, waiting.pop(0), device)
                 running[worker.receiver] = worker
             deadline = min(w.started for w in running.values()) + limit_seconds
             ready: list[Any] = multiprocessing.connection.wait(
@@ -74,18 +119,19 @@ def run_isolated(
             )
             for receiver in ready:
                 worker = running.pop(receiver)
-                results[worker.name] = _collect(worker)
+                outcomes[worker.name] = _collect(worker)
             for worker in [w for w in running.values() if w.elapsed() >= limit_seconds]:
                 del running[worker.receiver]
                 _end(worker, teardown_seconds=0.0)
-                results[worker.name] = _hung(worker.name, limit_seconds, worker.kernel())
-                results[worker.name].seconds = worker.elapsed()
-    return [results[name] for name in names]
+                where = _where(worker.kernel())
+                how = f"was still running after {limit_seconds:g} s{where} and was stopped"
+                outcomes[worker.name] = Lost(True, how, worker.kernel(), worker.elapsed())
+    return outcomes
 
 
 @dataclass
 class _Worker:
-    """One geometry's process, as the parent tracks it."""
+    """One job's process, as the parent tracks it."""
 
     name: str
     process: Any
@@ -100,33 +146,33 @@ class _Worker:
         return self.entered.value.decode(errors="replace")
 
 
-def _start(context, name: str, device: Device, timed: bool) -> _Worker:
+def _start(context, job: Job, device: Device) -> _Worker:
     receiver, sender = context.Pipe(duplex=False)
     entered = context.RawArray(ctypes.c_char, _KERNEL_NAME_BYTES + 1)
     process = context.Process(
-        target=_geometry_process,
-        args=(name, device, sender, entered, timed, os.getpid()),
-        name=f"selftest-{name}",
+        target=_worker_process,
+        args=(job, device, sender, entered, os.getpid()),
+        name=f"selftest-{job.name}",
     )
     process.start()
     children.register(process.pid)
     sender.close()  # the child's end: the parent then sees EOF when the child dies
-    return _Worker(name, process, receiver, entered, time.monotonic())
+    return _Worker(job.name, process, receiver, entered, time.monotonic())
 
 
-def _collect(worker: _Worker) -> GeometryResult:
-    """The result a process sent, or, where it died without one, its death."""
+def _collect(worker: _Worker) -> object:
+    """What a process sent, or, where it died without sending, its death."""
     try:
-        result = worker.receiver.recv()
+        outcome = worker.receiver.recv()
     except EOFError:
-        result = None
+        outcome = None
     # One that died is exiting (its pipe closed): the wait lets its own exit
     # status, not the group's SIGKILL, say how it died.
     _end(worker, teardown_seconds=TEARDOWN_SECONDS)
-    if result is None:
-        result = _died(worker.name, worker.process.exitcode, worker.kernel())
-        result.seconds = worker.elapsed()
-    return result
+    if outcome is None:
+        how = f"{_death(worker.process.exitcode)}{_where(worker.kernel())} without reporting"
+        outcome = Lost(False, how, worker.kernel(), worker.elapsed())
+    return outcome
 
 
 def _end(worker: _Worker, teardown_seconds: float) -> None:
@@ -138,46 +184,61 @@ def _end(worker: _Worker, teardown_seconds: float) -> None:
     worker.process.join(children.REAP_TIMEOUT_S)
 
 
-def _geometry_process(name: str, device: Device, sender, entered, timed: bool, parent: int) -> None:
+def _worker_process(job: Job, device: Device, sender, entered, parent: int) -> None:
     children.lead_group_and_watch(parent)
     if device.kind == "cpu":
         from .env import prepare_process_env
 
         prepare_process_env()
-    from . import harness
 
     def entering(kernel: str) -> None:
         entered.value = kernel.encode()[:_KERNEL_NAME_BYTES]
 
-    sender.send(harness.run_geometry(name, device, entering=entering, timed=timed))
+    sender.send(job.target(*job.args, entering=entering))
     sender.close()
 
 
-def _died(name: str, exitcode: int | None, kernel: str) -> GeometryResult:
-    from .harness import new_result
+def _run_geometry(name: str, device: Device, entering) -> GeometryResult:
+    from . import harness
 
-    result = new_result(name)
+    return harness.run_geometry(name, device, entering=entering)
+
+
+def _time_decode_step(device: Device, baseline: str, entering) -> DecodeTiming:
+    from . import kernels as kn
+    from .pairing import DecodeTiming, time_decode_step
+
+    try:
+        return time_decode_step(device, kn.Kernels.for_device(device), baseline, entering=entering)
+    except Exception as exc:  # the time is a figure, not a verdict
+        return DecodeTiming.not_timed(f"not timed: {type(exc).__name__}: {exc}")
+
+
+def _death(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         try:
-            how = f"was killed by {signal.Signals(-exitcode).name}"
+            return f"was killed by {signal.Signals(-exitcode).name}"
         except ValueError:
-            how = f"was killed by signal {-exitcode}"
-    else:
-        how = f"exited with status {exitcode}"
-    where = f" in {kernel}" if kernel else " outside the kernel calls"
-    result.aborted = f"its process {how}{where} without reporting"
-    result.crashed_in = kernel or None
-    return result
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
 
 
-def _hung(name: str, limit_seconds: float, kernel: str) -> GeometryResult:
-    from .harness import new_result
+def _where(kernel: str) -> str:
+    return f" in {kernel}" if kernel else " outside the kernel calls"
 
+
+def _geometry_result(name: str, outcome: object, limit_seconds: float) -> GeometryResult:
+    from .harness import GeometryResult, new_result
+
+    if isinstance(outcome, GeometryResult):
+        return outcome
+    assert isinstance(outcome, Lost)
     result = new_result(name)
-    where = f" in {kernel}" if kernel else " outside the kernel calls"
-    result.aborted = (
-        f"its process was still running after {limit_seconds:g} s{where} and was stopped "
-        "(raise the limit with --geometry-timeout if a first-run JIT build needs longer)"
-    )
-    result.crashed_in = kernel or None
+    result.aborted = f"its process {outcome.how}"
+    if outcome.hung:
+        result.aborted += (
+            " (raise the limit with --geometry-timeout if a first-run JIT build needs longer)"
+        )
+    result.crashed_in = outcome.kernel or None
+    result.seconds = outcome.seconds
     return result

@@ -9,8 +9,9 @@ from typing import Any
 from . import bounds as bd
 from . import clock
 from . import kernels as kn
-from .harness import TIMED_STEP, GeometryResult
+from .harness import TIMED_KERNELS, TIMED_STEP, GeometryResult
 from .layout import TinyModel
+from .pairing import BASELINES, WHAT_IS_TIMED, DecodeTiming
 from .timeline import CASES
 from .timing import StepCost
 from .verdicts import (
@@ -92,10 +93,6 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
     return rows
 
 
-TIMED_KERNELS = (kn.ATTENTION_DECODE, kn.INDEXER_LOGITS)
-FIX_GEOMETRY = "split"  # the fix's default layout, timed against upstream's
-
-
 @dataclass
 class Report:
     vllm: str
@@ -106,6 +103,9 @@ class Report:
     cannot_run: str | None = None
     notes: list[str] = field(default_factory=list)
     isolated: bool = False  # each geometry ran in a process of its own
+    kernel_timing: DecodeTiming = field(
+        default_factory=lambda: DecodeTiming.not_timed(clock.NOT_TIMED_CPU)
+    )
 
     def working_layouts(self) -> list[GeometryResult]:
         """The layouts that read back as written here: the fix's that pass, and
@@ -182,6 +182,7 @@ class Report:
                     "stale_bytes_zeroed": r.stale_bytes_zeroed,
                     "reused_blocks": r.reused_blocks,
                     "offloaded_bytes": r.offloaded_bytes,
+                    "timed_work": r.timed_work,
                     "layout": r.layout,
                     "cases": {
                         name: {
@@ -214,7 +215,7 @@ class Report:
                 }
                 for r in self.results
             ],
-            "decode_step_timing": self.decode_timing(),
+            "decode_step_timing": self.kernel_timing_json(),
             "slot_translation_us": [
                 {
                     "tokens": c.tokens,
@@ -333,48 +334,53 @@ class Report:
         lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
 
-    def decode_timing(self) -> dict[str, Any]:
-        """Median GPU microseconds of one decode step's calls per kernel and
-        geometry, and the fix's over upstream's; null where not timed."""
-        us = {
-            r.geometry: {k: _rounded(r.decode_step_us.get(k)) for k in TIMED_KERNELS}
-            for r in self.results
-        }
-        fix, upstream = us.get(FIX_GEOMETRY, {}), us.get("upstream", {})
-        notes = []
-        if self.device.kind == "cpu":
-            notes.append(clock.NOT_TIMED_CPU)
-        else:
-            if "upstream" not in us:
-                notes.append("no fix/upstream ratio: upstream's layout was not run here")
-            notes += [f"{r.geometry}: {r.timing_note}" for r in self.results if r.timing_note]
+    def kernel_timing_json(self) -> dict[str, Any]:
+        """The timed step's reading kernels: microseconds of the fix's default
+        layout and of the baseline, and the ratio with its quartiles."""
+        timing = self.kernel_timing
         return {
-            "timed": any(v is not None for row in us.values() for v in row.values()),
-            "note": "; ".join(notes) or None,
+            "timed": bool(timing.kernels),
+            "note": timing.note,
+            "what": WHAT_IS_TIMED,
             "step": TIMED_STEP,
+            "baseline": timing.baseline,
+            "baseline_is": BASELINES.get(timing.baseline or ""),
             "warmup_rounds": clock.WARMUP,
             "median_of": clock.REPEATS,
-            "us": us,
-            "ratio_fix_over_upstream": {
-                k: _rounded(clock.ratio(fix.get(k), upstream.get(k)), 3) for k in TIMED_KERNELS
+            "work": timing.work,
+            "kernels": {
+                kernel: {
+                    "fix_us": round(t.fix_us, 2),
+                    "baseline_us": round(t.baseline_us, 2),
+                    "ratio_fix_over_baseline": round(t.ratio, 3),
+                    "ratio_quartiles": [round(q, 3) for q in t.ratio_quartiles],
+                }
+                for kernel, t in timing.kernels.items()
             },
         }
 
     def timing_lines(self) -> list[str]:
-        timing = self.decode_timing()
-        head = (
-            f"kernel time per decode step ('{timing['step']}', median of "
-            f"{timing['median_of']} after {timing['warmup_rounds']} warm-up rounds, us)"
-        )
-        if not timing["timed"]:
-            return ["", f"{head}: {timing['note'] or 'not timed'}"]
-        lines = ["", f"{head}:"]
+        timing = self.kernel_timing
+        head = f"reading kernels of the decode step '{TIMED_STEP}' (us)"
+        if not timing.kernels:
+            return ["", f"{head}: {timing.note or 'not timed'}"]
+        lines = [
+            "",
+            f"{head}, alone, the fix's layout against {BASELINES[timing.baseline or '']} "
+            f"(median of {clock.REPEATS} interleaved rounds after {clock.WARMUP} warm-up rounds):",
+        ]
         for kernel in TIMED_KERNELS:
-            cells = [f"{g} {_cell(row[kernel])}" for g, row in timing["us"].items()]
-            cells.append(f"fix/upstream {_cell(timing['ratio_fix_over_upstream'][kernel])}")
-            lines.append(f"    {kernel}: " + " | ".join(cells))
-        if timing["note"]:
-            lines.append(f"    note: {timing['note']}")
+            t = timing.kernels.get(kernel)
+            if t is None:
+                lines.append(f"    {kernel}: not timed (stand-in)")
+                continue
+            low, high = t.ratio_quartiles
+            lines.append(
+                f"    {kernel}: fix {t.fix_us:.1f} | baseline {t.baseline_us:.1f} | "
+                f"fix/baseline {t.ratio:.3f} (quartiles {low:.3f}-{high:.3f})"
+            )
+        if timing.note:
+            lines.append(f"    note: {timing.note}")
         return lines
 
     def bound_lines(self) -> list[str]:
@@ -387,14 +393,6 @@ class Report:
         for kernel, bound in seen.items():
             lines.append(f"    {kernel}: {bound.value:.3g}, of {bound.measure}; {bound.formula}")
         return lines
-
-
-def _rounded(value: float | None, digits: int = 1) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def _cell(value: float | None) -> str:
-    return "not timed" if value is None else f"{value:g}"
 
 
 def _block_size(result: GeometryResult) -> str:
