@@ -119,7 +119,7 @@ class Kernels:
         # Called after each attention call with the call's arguments (the
         # output filled): lets the GPU tests' probe read the same pages.
         self.attention_observer = None
-        self._recording: list[Launch] | None = None  # see recording()
+        self._recorders: list[list[Launch]] = []  # see recording()
 
     @classmethod
     def for_device(cls, device: Device) -> Kernels:
@@ -184,17 +184,18 @@ class Kernels:
 
     @contextlib.contextmanager
     def recording(self, into: list[Launch]):
-        """Each reader launch made meanwhile is also appended to ``into``."""
-        outer, self._recording = self._recording, into
+        """Each reader launch made meanwhile is also appended to ``into`` (and
+        to the lists of any enclosing ``recording``)."""
+        self._recorders.append(into)
         try:
             yield into
         finally:
-            self._recording = outer
+            self._recorders.pop()  # nested blocks end innermost first
 
     def _launch(self, kernel: Callable[..., object], *args, **kwargs) -> object:
         launch = Launch(kernel, args, kwargs)
-        if self._recording is not None:
-            self._recording.append(launch)
+        for recorder in self._recorders:
+            recorder.append(launch)
         return launch()
 
     # ------------------------------------------------------------ writers

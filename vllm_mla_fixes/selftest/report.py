@@ -33,14 +33,16 @@ class Row:
     kernel: str
     source: str
     compared: int  # reads compared (readers) or calls (writers)
-    max_error: float | None  # readers only
+    max_error: float | None  # readers; writers whose records were compared
     foreign_bytes: int | None  # writers only
     verdict: str
     problems: list[str] = field(default_factory=list)
-    # what the row's error is held to: readers their worst relative error,
-    # writers their foreign bytes (exact); margin = error / bound
+    # what the row's error is held to: readers their reads', writers their
+    # stored records' against the dense reference (and foreign bytes: none);
+    # margin = error / bound, the worst of the row's comparisons
     bound: bd.Bound = bd.WRITER_BOUND
     margin: float = 0.0
+    bound_value: float = 0.0  # the bound of the worst comparison (per element: its element's)
 
     @property
     def error(self) -> float:
@@ -68,8 +70,9 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
             bound = tally.bound or bd.bound_for(kernel, kernels, TinyModel.q_heads)
             margin = tally.worst_margin
         else:
-            bound = bd.WRITER_BOUND
-            margin = bd.margin(tally.foreign_bytes, bound.value)
+            bound = tally.bound or bd.WRITER_BOUND
+            margin = max(tally.worst_margin, bd.margin(tally.foreign_bytes, 0.0))
+        bound_value = tally.worst_bound if bound.per_element and tally.compared else bound.value
         if result.role == "fix":
             verdict = FAIL if bad or (reader and not tally.compared) else PASS
         elif result.role == "control":
@@ -82,12 +85,13 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
                 kernel,
                 kernels.sources[kernel],
                 tally.compared if reader else tally.writes,
-                tally.worst if reader else None,
+                tally.worst if reader or tally.compared else None,
                 None if reader else tally.foreign_bytes,
                 verdict,
                 list(tally.problems),
                 bound,
                 margin,
+                bound_value,
             )
         )
     return rows
@@ -203,7 +207,7 @@ class Report:
                             "max_error": _num(row.max_error),
                             "foreign_bytes": row.foreign_bytes,
                             "error": _num(row.error),
-                            "bound": row.bound.value,
+                            "bound": row.bound_value,
                             "margin": _num(row.margin),
                             "measure": row.bound.measure,
                             "bound_derivation": row.bound.formula,
@@ -259,7 +263,7 @@ class Report:
                         str(row.compared),
                         "-" if row.max_error is None else f"{row.max_error:.2e}",
                         "-" if row.foreign_bytes is None else str(row.foreign_bytes),
-                        f"{row.bound.value:.3g}",
+                        f"{row.bound_value:.3g}",
                         f"{row.margin:.2f}",
                         row.verdict,
                     )
@@ -391,7 +395,8 @@ class Report:
                 seen.setdefault(row.kernel, row.bound)
         lines = ["", "bounds (error/bound <= 1 passes; a wrong page reads 0.7 to 1e11):"]
         for kernel, bound in seen.items():
-            lines.append(f"    {kernel}: {bound.value:.3g}, of {bound.measure}; {bound.formula}")
+            value = "per element" if bound.per_element else f"{bound.value:.3g}"
+            lines.append(f"    {kernel}: {value}, of {bound.measure}; {bound.formula}")
         return lines
 
 
