@@ -159,14 +159,43 @@ def _release_session(release: str):
     return nox.session(python="3.11", name=f"vllm-{release}")(session_func)
 
 
+def _release_environment(session: nox.Session, release: str) -> Path:
+    """The release's one environment -- the folder its test session uses --
+    created if missing and synced to its lock, so `verify` runs where the
+    tests run and CI installs each release once."""
+    location = ENV_DIR / f"vllm-{release.replace('.', '-')}"
+    if not (location / "pyvenv.cfg").exists():
+        free_gib = shutil.disk_usage(ENV_DIR.parent if not ENV_DIR.exists() else ENV_DIR).free
+        if free_gib / 2**30 < MIN_FREE_GIB_FOR_NEW_ENV:
+            session.error(
+                f"only {free_gib / 2**30:.1f} GiB free under {ENV_DIR}; a vLLM release "
+                f"environment needs about {MIN_FREE_GIB_FOR_NEW_ENV} GiB. Free space or set "
+                "VLLM_MLA_FIXES_ENV_DIR."
+            )
+        session.run_install("uv", "venv", "--python", "3.11", str(location), external=True)
+    python = str(location / "bin" / "python")
+    lock = LOCKS / f"vllm-{release}.txt"
+    session.run_install("uv", "pip", "sync", "--python", python, str(lock), external=True)
+    session.run_install(
+        "uv", "pip", "install", "--python", python, "--no-deps", "-e", str(ROOT), external=True
+    )
+    return location
+
+
 def _verify_session(release: str):
     def session_func(session: nox.Session) -> None:
-        _install(session, release)
-        session.run("vllm-mla-fixes", "verify", env={"CUDA_VISIBLE_DEVICES": ""})
+        location = _release_environment(session, release)
+        session.run(
+            str(location / "bin" / "vllm-mla-fixes"),
+            "verify",
+            env={"CUDA_VISIBLE_DEVICES": ""},
+            external=True,
+        )
 
-    session_func.__doc__ = f"`vllm-mla-fixes verify` on vLLM {release} (CPU)."
-    # Its own venv (nox keys venvs by session name); uv hard-links the files from its cache.
-    return nox.session(python="3.11", name=f"verify-{release}", tags=["verify"], default=False)(
+    session_func.__doc__ = (
+        f"`vllm-mla-fixes verify` on vLLM {release} (CPU), in the release's test environment."
+    )
+    return nox.session(python=False, name=f"verify-{release}", tags=["verify"], default=False)(
         session_func
     )
 

@@ -350,7 +350,7 @@ def vllm_produce_k(layout, cache, metadata: dict, latent, positions, cos_sin) ->
     torch.nn.Module.__init__(indexer)
     indexer.owns_k, indexer.use_fp4_kv = True, False
     indexer.compress_ratio, indexer.k_cache = cache.ratio, cache.module
-    with set_current_vllm_config(layout.config):
+    with set_current_vllm_config(_layer_config(layout)):  # a CustomOp reads the custom ops
         indexer.k_norm = RMSNorm(128, layout.model.rms_norm_eps, dtype=torch.bfloat16)
     weight = torch.randn(128, latent.shape[1], dtype=torch.bfloat16)
     indexer.wk = lambda x: (x @ weight.T, None)

@@ -1,8 +1,10 @@
-"""``doctor`` predicts DeepSeek-V4.1's SM12x geometry where no GPU is visible (issue 18, item 3).
+"""``doctor`` predicts DeepSeek-V4.1's SM12x geometry where no GPU is visible
+(issue 18, item 3; issue 37: the engine's own decision, on the operator's config).
 
 The prediction parses the line with the installed release's ``vllm serve``
-parser, builds a real ``VllmConfig`` from it and runs the fix's own
-``geometry_decision`` and vLLM's planner (``reproductions/dsv41_prediction.py``).
+parser, builds a real ``VllmConfig`` from it and the model's config.json, and
+runs the fix's own ``decide`` -- the function every engine process calls
+(``fixes/dsv41_sm120_geometry/prediction.py``), in doctor's own process.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import pytest
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
-from vllm_mla_fixes.reproductions import dsv41_prediction as prediction
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
 pytestmark = pytest.mark.vllm_release("0.32.0", "0.33.0", "0.34.0")
@@ -49,10 +50,12 @@ REPORT_LINE = [
 DSPARK = ["--speculative-config", '{"method": "dspark", "num_speculative_tokens": 3}']
 
 
-def _decision_for(line: list[str]) -> tuple[str, str]:
-    """The fix's geometry_decision on the engine config vLLM's parser builds
-    from ``line``, once the model's layers have given their specs (where
-    upstream's layout works, the 2% rule is planned on them)."""
+def _engine(line: list[str], model: dict | None = None, max_model_len: int = 8192):
+    """An engine started for ``line`` as a worker builds it on SM120: vLLM's
+    parser, then the model's layers (``model``'s topology, DSpark's drafter
+    layers where the line drafts with it), vLLM's spec collection and
+    planner, with the fix applied.  Returns its config and the decision the
+    engine's process recorded."""
     with serve_line.cuda_device_type_while_parsing():
         args = serve_line.engine_args(line)
     with repro.sm120_platform():
@@ -60,9 +63,25 @@ def _decision_for(line: list[str]) -> tuple[str, str]:
             upstream.declared_kernel_blocks()
         )
     settings = prediction.engine_settings(args)
+    model = model or repro.DSV41_FLASH
+    drafters = ()
+    if (args.speculative_config or {}).get("method") == "dspark":
+        drafters = (0,) * int(model.get("n_mtp_layers") or 3)
     with repro.applied((12, 0)), repro.sm120_platform():
-        plan = repro.plan_geometry(block_size, settings=settings)
-        return fix.geometry_decision(plan.vllm_config)
+        plan = repro.plan_geometry(
+            block_size,
+            model=model,
+            settings=settings,
+            drafter_ratios=drafters,
+            max_model_len=max_model_len,
+        )
+        config = plan.vllm_config
+        return fix.engine_config(config), fix.STATE.decision_for(config)
+
+
+def _decision_for(line: list[str]) -> tuple[str, str]:
+    decision = _engine(line)[1]
+    return decision.geometry, decision.reason
 
 
 def test_kv_offloading_backend_alone_enables_nothing_in_vllm():
@@ -94,13 +113,12 @@ def test_kv_offloading_backend_alone_enables_nothing_in_vllm():
 
 
 def test_doctor_does_not_report_the_backend_alone_as_offloading():
-    """Red before this change (vLLM 0.34.0, the tree at 63bf8e1): doctor built
-    its own settings and said "gets the per-ratio geometry (KV offloading is
-    configured ...)" for this line.  doctor's findings from the prediction
-    (``diagnose`` runs the same prediction in a fresh interpreter)."""
+    """Red before issue 18's change (vLLM 0.34.0, the tree at 63bf8e1): doctor
+    built its own settings and said "gets the per-ratio geometry (KV offloading
+    is configured ...)" for this line."""
     line = [*REPORT_LINE, "--kv-offloading-backend", "native"]
     messages = " | ".join(
-        f.message for f in fix_doctor._prediction_findings(prediction.predict(line))
+        f.message for f in fix_doctor.prediction_findings(prediction.predict(line))
     )
     if _decision_for(line)[0] == fix.UPSTREAM:  # 0.34.0: --block-size 64 works upstream
         assert "upstream's --block-size 64 layout starts" in messages
@@ -110,53 +128,152 @@ def test_doctor_does_not_report_the_backend_alone_as_offloading():
     assert "--kv-offloading-backend native without --kv-offloading-size enables nothing" in (
         messages
     )
-    plain = fix_doctor._prediction_findings(prediction.predict(REPORT_LINE))
+    plain = fix_doctor.prediction_findings(prediction.predict(REPORT_LINE))
     assert not any("--kv-offloading-backend" in f.message for f in plain)
 
 
 @pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
-def test_report_line_gets_geometry_and_capacity_off_the_gpu_node(dspark):
-    line = [*REPORT_LINE, *(DSPARK if dspark else [])]
+def test_report_line_gets_the_engines_decision_off_the_gpu_node(dspark):
+    line = [*REPORT_LINE, "--max-model-len", "8192", *(DSPARK if dspark else [])]
     predicted = prediction.predict(line)
-    geometry, reason = _decision_for(line)
-    assert predicted["geometry"] == geometry
-    assert predicted["reason"].startswith(reason)  # then what planning chose for a drafter
-    if not dspark and geometry != fix.UPSTREAM:
-        assert geometry == fix.SPLIT
-    assert predicted["settings"]["speculative_method"] == ("dspark" if dspark else None)
-    assert [c["max_model_len"] for c in predicted["capacity"]] == [8192, 131072]
-    for figures in predicted["capacity"]:
-        assert figures["tokens_per_gib"] > 0
-        assert figures["upstream_128"] > 0 and figures["upstream_64"] > 0
-        if predicted["geometry"] == fix.SPLIT:
-            # upstream's figures are for the same model, DSpark's 3 drafter layers
-            # included.  With them the split holds more than block 128 where the
-            # drafter's sliding-window pages hold 128 rows (FlashInfer from
-            # 0.7.2.post1), 0.993x/0.997x on 0.32.0 (a tenth KV-cache group);
-            # more than block 64 either way.
-            assert figures["tokens_per_gib"] > figures["upstream_64"]
-            if not dspark or fix.flashinfer_takes_runtime_swa_pages():
-                assert figures["tokens_per_gib"] > figures["upstream_128"]
+    engine_config, decision = _engine(line)
+    assert predicted.decision == decision
+    assert predicted.report() == fix.engine_report(engine_config, decision)
+    assert predicted.settings.speculative_method == ("dspark" if dspark else None)
+    assert predicted.decision.fix_tokens and predicted.decision.max_model_len == 8192
     # TP8 of DeepSeek-V4.1-Flash's 64 heads: 8 heads per rank, window 128, top-k 512
-    shapes = {(s["heads"], s["topk"], s["page"], s["extra_page"]) for s in predicted["shapes"]}
-    window_page = fix.UPSTREAM_SWA_BLOCK if geometry == fix.UPSTREAM else 64
+    shapes = {(s.heads, s.topk, s.page, s.extra_page) for s in predicted.shapes}
+    window_page = fix.UPSTREAM_SWA_BLOCK if decision.geometry == fix.UPSTREAM else 64
     expected = {(8, 128, window_page, None), (8, 512, 64, 64)}
-    if dspark and geometry != fix.UPSTREAM and fix.flashinfer_takes_runtime_swa_pages():
-        expected.add((8, 128, fix.DRAFTER_SWA_ROWS, None))  # the drafter's pages
+    if decision.applies and decision.drafter_swa_rows != 64:
+        expected.add((8, 128, decision.drafter_swa_rows, None))  # the drafter's pages
     assert shapes == expected
-    assert all(s["decode_kernel"] for s in predicted["shapes"])
+    assert all(s.decode_kernel for s in predicted.shapes)
 
 
 def test_reported_shapes_are_named_with_their_reports():
     """16 heads with top-k 512 (TP4) and 64 heads with top-k 1152 (TP1)."""
-    shapes = prediction.flashinfer_shapes(16, 128, 512) + prediction.flashinfer_shapes(
-        64, 128, 1152
+    line = [*REPORT_LINE, "--max-model-len", "8192"]
+    decision = prediction.predict(line).decision
+    shapes = (
+        prediction.flashinfer_shapes(16, 128, 512, decision)[0]
+        + prediction.flashinfer_shapes(64, 128, 1152, decision)[0]
     )
-    reported = {(s["heads"], s["topk"]): s["reported"] for s in shapes if s["reported"]}
+    reported = {(s.heads, s.topk): s.reported for s in shapes if s.reported}
     assert set(reported) == {(16, 512), (64, 1152)}
     assert "flashinfer#5135" in reported[(16, 512)] and "vllm#56837" in reported[(64, 1152)]
     # the locked FlashInfer of 0.32.0-0.34.0 (0.7.0.post1, 0.7.2.post1, 0.7.4) has both
-    assert all(s["decode_kernel"] for s in shapes)
+    assert all(s.decode_kernel for s in shapes)
+
+
+# Two small checkpoints of the family besides DeepSeek-V4.1-Flash: other layer
+# counts, heads, top-k, sources and windows (their config.json text config).
+CHECKPOINTS = {
+    "12-layers": {
+        "num_hidden_layers": 12,
+        "compress_ratios": [0, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1],
+        "kv_source_layer_ids": [1, 6],
+        "index_source_layer_ids": [1, 6],
+        "sliding_window": 128,
+        "head_dim": 512,
+        "index_head_dim": 128,
+        "num_attention_heads": 32,
+        "index_topk": 256,
+        "max_position_embeddings": 32768,
+    },
+    "24-layers-one-drafter": {
+        "num_hidden_layers": 24,
+        "compress_ratios": [0, 0] + [2] * 10 + [1] * 12 + [0],
+        "kv_source_layer_ids": [2, 7, 12, 18],
+        "index_source_layer_ids": [2, 7, 12, 18],
+        "sliding_window": 256,
+        "head_dim": 512,
+        "index_head_dim": 128,
+        "num_attention_heads": 16,
+        "index_topk": 1024,
+        "n_mtp_layers": 1,
+        "max_position_embeddings": 65536,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("block_size", ["64", "128"])
+@pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
+def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block_size, dspark):
+    """doctor --json's ``dsv41`` object for the operator's config.json is the
+    object ``status --json`` shows in the engine's process on that config:
+    same decision, page rows and capacity."""
+    model = CHECKPOINTS[name]
+    line = [
+        "vllm",
+        "serve",
+        "/models/checkpoint",
+        "--block-size",
+        block_size,
+        "--max-model-len",
+        str(model["max_position_embeddings"]),
+        *(DSPARK if dspark else []),
+    ]
+    predicted = prediction.predict(line, {"text_config": model})
+    engine_config, decision = _engine(line, model, model["max_position_embeddings"])
+    assert predicted.model_figures == "from config.json"
+    assert predicted.decision == decision
+    assert predicted.report() == fix.engine_report(engine_config, decision)
+    assert (
+        decision.fix_tokens is not None
+        and decision.max_model_len == model["max_position_embeddings"]
+    )
+    if dspark:
+        layers = model.get("n_mtp_layers", 3)
+        assert predicted.engine.model.drafter_layers == layers
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch):
+    """``doctor --json``'s ``dsv41`` for a line and config.json equals the
+    ``dsv41`` object ``status --json`` prints in the engine's process on
+    that config (here: the engine's layers built in this process, then the
+    status command's own JSON)."""
+    import contextlib
+    import functools
+    import io
+
+    import vllm.plugins
+
+    import vllm_mla_fixes
+    from vllm_mla_fixes import cli
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
+
+    model = CHECKPOINTS["12-layers"]
+    line = [
+        "vllm",
+        "serve",
+        "/models/checkpoint",
+        "--block-size",
+        "128",
+        "--max-model-len",
+        "32768",
+    ]
+    doctor_object = prediction.predict(line, {"text_config": model}).report()
+    vllm_mla_fixes.revert_all()
+    monkeypatch.setattr(fix, "probe", functools.partial(gate.probe, (12, 0)))
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    try:
+        with repro.sm120_platform():
+            vllm.plugins.load_general_plugins()
+            with serve_line.cuda_device_type_while_parsing():
+                args = serve_line.engine_args(line)
+            repro.plan_geometry(
+                128, model=model, settings=prediction.engine_settings(args), max_model_len=32768
+            )
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                cli.main(["status", "--json"])
+        status_objects = json.loads(printed.getvalue())["dsv41"]
+    finally:
+        vllm_mla_fixes.revert_all()
+    assert status_objects == [{**doctor_object, "spec_mismatches": []}]
 
 
 @pytest.mark.vllm_release("0.34.0")
@@ -182,9 +299,9 @@ def test_doctor_command_on_the_report_line_with_dspark_without_a_gpu():
     assert geometry == fix.SPLIT and "(1.066x, at least the 1.02x" in reason, reason
     assert report["dsv41"]["upstream_works"] is True
     assert report["dsv41"]["decision"] == fix.SPLIT
-    assert report["dsv41"]["vs_best_working_upstream"] == 1.066
+    assert report["dsv41"]["vs_upstream"] == 1.066
     assert not any("No common block size" in m for m in messages)
-    assert any("upstream --block-size 128" in m and "--block-size 64" in m for m in messages)
+    assert any("the fix's interleaved-split layout 67,209" in m for m in messages)
     (applies,) = [m for m in messages if m.startswith("upstream's --block-size 64 layout starts")]
     assert f"but the fix's {fix.SPLIT} geometry holds at least 1.02x" in applies
     assert "(1.066x, at least the 1.02x" in applies

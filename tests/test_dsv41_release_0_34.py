@@ -34,6 +34,12 @@ CHANGED_IN_0_34 = {
 }
 
 
+def _geometry_and_reason(vllm_config) -> tuple[str, str]:
+    """The decision the fix takes for the engine ``vllm_config`` describes."""
+    decision = fix.decide(vllm_config)
+    return decision.geometry, decision.reason
+
+
 @pytest.fixture
 def sm120():
     with repro.sm120_platform():
@@ -98,7 +104,7 @@ def test_block_size_64_starts_with_32_state_ratio2_pages_and_32_token_swa_pages(
     assert 32 not in get_paged_mqa_page_sizes()
     assert repro.kernel_verdicts(repro.flashinfer_pages(geometry)) == ((), ())
     with pytest.raises(fix.PageGeometryError) as excinfo:
-        fix.check_page_geometry(fix.bound_pages(geometry.forward_context))
+        fix.check_page_geometry(fix.bound_pages(geometry.forward_context), everything=True)
     message = str(excinfo.value)
     assert (
         "model.layers.2.attn.indexer.k_cache: indexer K cache, compress ratio 2, 32-state pages"
@@ -140,11 +146,11 @@ def test_fix_steps_aside_for_block_size_64_where_upstream_works(sm120):
         repro.create_metadata_builders(geometry)
         repro.allocate_and_bind(geometry)
         pages = repro.flashinfer_pages(geometry)
-        decided, reason = fix.geometry_decision(geometry.vllm_config)
+        decided, reason = _geometry_and_reason(geometry.vllm_config)
     assert decided == fix.UPSTREAM
     assert reason.startswith(
         "not-needed: upstream's --block-size 64 layout is within the installed kernels' "
-        "envelopes; planned on the engine's layers at max_model_len 8192: the fix's "
+        "envelopes; planned on the model's layers at max_model_len 8192: the fix's "
         "interleaved-split layout holds 71,488 KV tokens per GiB, upstream's 70,961 (1.007x, "
         "under the 1.02x"
     ), reason
@@ -172,7 +178,7 @@ def test_fix_lays_out_64_row_pages(sm120, block_size, forced, monkeypatch):
         repro.create_metadata_builders(geometry)
         repro.allocate_and_bind(geometry)  # the fix's self-check runs inside and passes
         pages = repro.flashinfer_pages(geometry)
-        assert fix.geometry_decision(geometry.vllm_config)[0] == fix.SPLIT
+        assert _geometry_and_reason(geometry.vllm_config)[0] == fix.SPLIT
     assert {page.rows for page in pages} == {fix.PAGE_ROWS}
     assert {(page.kind, page.compress_ratio) for page in pages} == {
         ("swa", 0),

@@ -65,10 +65,14 @@ def test_workers_with_different_geometries_stop_with_both_named(monkeypatch):
         )
         merge, extra = _engine_core_merge()
         config = repro.make_vllm_config(128)
+        repro.attach_model(config, repro.DSV41_FLASH)  # the engine core reads the model's config
+        monkeypatch.delenv(fix.GEOMETRY_ENV)  # the engine core decides as the engine would
         with pytest.raises(fix.PageGeometryError) as excinfo:
             merge(config, [split, per_ratio, per_ratio], *extra)
     message = str(excinfo.value)
-    assert f"worker 0: {fix.SPLIT}; workers 1, 2: {fix.PER_RATIO}" in message
+    assert f"the engine's DeepSeek-V4.1 KV geometry is {fix.SPLIT}, but worker 1 shows" in message
+    assert f"worker 1 shows {fix.PER_RATIO} (" in message
+    assert f"worker 2 shows {fix.PER_RATIO} (" in message and "worker 0" not in message
     assert fix.GEOMETRY_ENV in message and "Ray workers" in message
 
 
@@ -79,7 +83,11 @@ def test_workers_that_agree_reach_vllms_own_merge(monkeypatch):
         geometry = repro.plan_geometry(128)  # resolves the KV-cache layout the merge reads
         config = geometry.vllm_config
         # What the merge reads of the model config (a real one inspects the model in a subprocess).
-        config.model_config = SimpleNamespace(supports_kv_cache_grouping=False)
+        config.model_config = SimpleNamespace(
+            supports_kv_cache_grouping=False,
+            hf_text_config=config.model_config.hf_text_config,  # the fix decides from it
+            max_model_len=config.model_config.max_model_len,
+        )
         merge, extra = _engine_core_merge()
         groups = merge(config, [geometry.specs, dict(geometry.specs)], *extra)
     assert sum(len(group.layer_names) for group in groups) == len(geometry.specs)
@@ -90,11 +98,14 @@ def test_a_worker_without_the_fix_is_named_too(monkeypatch):
     upstream = worker_specs()
     with repro.applied((12, 0)):
         split = _worker_specs(monkeypatch, fix.SPLIT)
+        config = repro.make_vllm_config(128)
+        repro.attach_model(config, repro.DSV41_FLASH)
         with pytest.raises(fix.PageGeometryError) as excinfo:
-            fix.check_workers_agree([split, upstream])
-    assert "worker 1: vLLM's own (block sizes ratio 1: [128], ratio 2: [128]: " in str(
+            fix.check_workers_agree(config, [split, upstream])
+    assert "worker 1 shows vLLM's own (block sizes ratio 1: [128], ratio 2: [128]: " in str(
         excinfo.value
     )
+    assert "no block stride of whole 46080-B interleave units" in str(excinfo.value)
 
 
 WORKERS_DISAGREE_UNDER_O = textwrap.dedent(

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import state as fix_state
 from vllm_mla_fixes.patching import State, run_fix
 from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
 
@@ -33,6 +32,12 @@ REPORT_ERROR = (
     "SM120 sparse-MLA has no decode kernel for this shape: num_tokens=8, num_heads=8, "
     "topk=128, d_qk=512, page_block_size=32, model_type=dsv4, extra_topk=0."
 )
+
+
+def _geometry_and_reason(vllm_config) -> tuple[str, str]:
+    """The decision the fix takes for the engine ``vllm_config`` describes."""
+    decision = fix.decide(vllm_config)
+    return decision.geometry, decision.reason
 
 
 def _patched_targets():
@@ -413,10 +418,8 @@ def test_compressor_warmup_covers_the_64_state_pages():
         assert runtime_key(config(block_size)) in kernel.get_warmup_keys(config(block_size))
     assert runtime_key(config(16)) not in kernel.get_warmup_keys(config(16))
     with repro.applied((12, 0)):
-        # The key is added for the caches the fix made: a worker builds its
-        # specs (here through vLLM's own spec collection) before it warms up.
-        assert runtime_key(config(16)) not in kernel.get_warmup_keys(config(16))
-        repro.plan_geometry(16)
+        # The key is added for the compress ratios of the caches the engine's
+        # decision lays out, decided from its config alone (issue 37).
         assert runtime_key(config(16)) in kernel.get_warmup_keys(config(16))
 
 
@@ -452,6 +455,7 @@ def test_capacity_is_measured_from_vllms_planner(monkeypatch):
 
 def _config(**changes):
     config = repro.make_vllm_config(128)
+    repro.attach_model(config, repro.DSV41_FLASH)
     for name, value in changes.items():
         object.__setattr__(config, name, value)
     return config
@@ -459,7 +463,7 @@ def _config(**changes):
 
 def test_geometry_decision_defaults_to_the_split_and_says_why():
     with repro.applied((12, 0)):
-        geometry, reason = fix.geometry_decision(_config())
+        geometry, reason = _geometry_and_reason(_config())
     assert geometry == fix.SPLIT and reason.startswith("default on SM12x")
 
 
@@ -492,7 +496,7 @@ def test_geometry_decision_falls_back_where_the_split_is_not_proven(changes, why
         for name, value in changes.items():
             object.__setattr__(config, name, value)
     with repro.applied((12, 0)):
-        geometry, reason = fix.geometry_decision(config)
+        geometry, reason = _geometry_and_reason(config)
         assert geometry == fix.PER_RATIO and reason.startswith(why), reason
 
 
@@ -505,15 +509,17 @@ def test_cpu_kv_offloading_keeps_the_split(monkeypatch):
     monkeypatch.delenv(fix.SIMPLE_OFFLOAD_ENV, raising=False)
     offloading = repro.make_vllm_config(128)
     offloading.cache_config.kv_offloading_size = 8.0
+    repro.attach_model(offloading, repro.DSV41_FLASH)
     explicit = repro.make_vllm_config(128)
+    repro.attach_model(explicit, repro.DSV41_FLASH)
     explicit.kv_transfer_config = KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both"
     )
     with repro.applied((12, 0)):
         for config in (offloading, explicit):
-            assert fix.geometry_decision(config)[0] == fix.SPLIT
+            assert _geometry_and_reason(config)[0] == fix.SPLIT
         monkeypatch.setenv(fix.SIMPLE_OFFLOAD_ENV, "1")
-        geometry, reason = fix.geometry_decision(offloading)
+        geometry, reason = _geometry_and_reason(offloading)
     assert geometry == fix.PER_RATIO
     assert reason.startswith("KV connector SimpleCPUOffloadConnector is configured")
 
@@ -542,12 +548,12 @@ def test_dspark_keeps_the_split_when_no_drafter_layer_has_a_ratio_1_cache():
     ratio-1 pages are still interleaved 64-state pages."""
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
-        geometry_name, reason = fix.geometry_decision(geometry.vllm_config)
+        geometry_name, reason = _geometry_and_reason(geometry.vllm_config)
         assert geometry_name == fix.SPLIT, reason
         assert "with DSpark: no drafter layer owns or reads a ratio-1" in reason
         assert geometry.specs["model.layers.20.attn"].block_size == fix.SPLIT_MANAGER_BLOCK
         assert geometry.specs["model.layers.39.attn.swa_cache"].block_size == fix.PAGE_ROWS
-        drafter_rows = fix.drafter_swa_rows()[0]
+        drafter_rows = fix.decide(geometry.vllm_config).drafter_swa_rows
         for layer in (40, 41, 42):
             spec = geometry.specs[f"model.layers.{layer}.attn.swa_cache"]
             assert spec.block_size == drafter_rows
@@ -609,20 +615,21 @@ def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, r
     )
     with repro.sm120_platform(), capacity.forced_geometry(None):
         fixed = capacity.measure("dspark", 128, lens, settings)
-        planned = fix.planned_drafter_rows()
-        status = fix.status_detail()
+        with repro.applied((12, 0)):
+            decision = fix.decide(repro.plan_geometry(128, settings=settings).vllm_config)
         with capacity.drafter_pages_kept_at_64():
             narrow = capacity.measure("dspark, 64-row drafter pages", 128, lens, settings)
     upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
-    assert planned is not None and planned[0] == rows, planned
+    assert decision.drafter_swa_rows == rows, decision
     figures = re.search(
-        r"128-row pages hold ([\d,]+) KV tokens per GiB, 64-row ([\d,]+)", planned[1]
+        r"128-row pages hold ([\d,]+) KV tokens per GiB, 64-row ([\d,]+)",
+        decision.drafter_rows_why,
     )
-    assert figures is not None, planned[1]
+    assert figures is not None, decision.drafter_rows_why
     wide, narrow_planned = (int(f.replace(",", "")) for f in figures.groups())
     assert narrow_planned == narrow[0].tokens  # the planning is the benchmark's figure
-    assert fixed[0].tokens == max(wide, narrow_planned)
-    assert f"drafter sliding-window pages: {rows} rows" in status
+    assert fixed[0].tokens == max(wide, narrow_planned) == decision.fix_tokens
+    assert f"drafter sliding-window pages hold {rows} tokens" in decision.reason
     best_upstream = capacity.baseline(upstream, 8192, 64, count)
     assert fixed[0].versus(best_upstream) >= 1.0, (fixed[0].tokens, best_upstream.tokens)
 
@@ -633,48 +640,38 @@ def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, r
     [((), fix.UPSTREAM, "(1.007x, under the 1.02x"), ((0, 0, 0), fix.SPLIT, "(1.066x, at least")],
     ids=["no-speculation", "dspark"],
 )
-def test_the_two_percent_rule_is_planned_on_the_engines_layers(drafters, geometry_name, figure):
-    """Issue 25, item 4: 0.34.0's own --block-size 64 layout works on SM12x.
-    The geometry is first decided as the layers are built, before a drafter's
-    exist (the fix then stepped aside even with DSpark, at 63,050 tokens per
-    GiB where its split holds 67,209).  Now the first spec plans both layouts
-    with vLLM's planner on the engine's layers: without speculation the fix
-    gains 1.007x and steps aside; with DSpark's three drafter layers 1.066x, so
-    it applies, its sliding-window caches take its page rows before any spec
-    is handed out, the bound pages pass its start-up check, and vLLM's warm-up
-    registry (collecting while the caches are bound, as in the GPU model
-    runner's init_kv_cache) gets the index kernels for the new rows."""
-    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
-    from vllm.v1.attention.backends.mla import sparse_swa
-
+def test_the_two_percent_rule_is_planned_on_the_models_layers(drafters, geometry_name, figure):
+    """Issue 25, item 4, and issue 37: 0.34.0's own --block-size 64 layout
+    works on SM12x.  The decision plans both layouts with vLLM's planner on
+    the full model's specs, built from its config (drafter layers included),
+    before any layer is built: without speculation the fix gains 1.007x and
+    steps aside; with DSpark's three drafter layers 1.066x, so it applies.
+    Each sliding-window cache is built with its final rows, the rows vLLM's
+    own ``DeepseekV4Attention.__init__`` registers its index kernels' JIT
+    warm-up with (``swa_cache_layer.block_size``); the bound pages pass the
+    fix's start-up check."""
     speculative = _dspark() if drafters else None
     with repro.applied((12, 0)), repro.sm120_platform():
         geometry = repro.plan_geometry(64, speculative_config=speculative, drafter_ratios=drafters)
         repro.select_kernel_block_sizes(geometry)
         repro.create_metadata_builders(geometry)
-        registry = JitWarmupRegistry(geometry.vllm_config)
-        with registry.activate():
-            repro.allocate_and_bind(geometry)  # the fix's page check runs here
-        decided, reason = fix.geometry_decision(geometry.vllm_config)
+        repro.allocate_and_bind(geometry)  # the fix's page check runs here
+        decided, reason = _geometry_and_reason(geometry.vllm_config)
     assert decided == geometry_name and figure in reason, reason
     window_rows = {
         name: spec.block_size for name, spec in geometry.specs.items() if "swa_cache" in name
     }
+    built_rows = {
+        layer.swa_cache_layer.prefix: layer.swa_cache_layer.block_size
+        for layer in geometry.layers.values()
+    }
+    assert built_rows == window_rows  # what the warm-up registers is what is planned
     drafter_names = {f"model.layers.{40 + i}.attn.swa_cache" for i in range(len(drafters))}
-    registered = registry._registrations.get(sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL, [])
-    dspark_registered = registry._registrations.get(
-        sparse_swa._COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL, []
-    )
     if geometry_name == fix.UPSTREAM:
         assert set(window_rows.values()) == {fix.UPSTREAM_SWA_BLOCK}
-        assert registered == [] and dspark_registered == []
         return
     assert {rows for name, rows in window_rows.items() if name not in drafter_names} == {64}
     assert {window_rows[name] for name in drafter_names} == {fix.DRAFTER_SWA_ROWS}
-    assert {kwargs["block_size"] for _, kwargs in registered} == {64, fix.DRAFTER_SWA_ROWS}
-    assert {
-        (kwargs["block_size"], kwargs["num_speculative_tokens"]) for _, kwargs in dspark_registered
-    } == {(64, 3), (fix.DRAFTER_SWA_ROWS, 3)}
     pages = {(p.kind, p.rows) for p in repro.flashinfer_pages(geometry)}
     assert pages == {
         ("swa", 64),
@@ -688,7 +685,7 @@ def test_drafter_sliding_window_pages_can_be_kept_at_64(monkeypatch):
     monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "64")
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
-        _, reason = fix.geometry_decision(geometry.vllm_config)
+        _, reason = _geometry_and_reason(geometry.vllm_config)
     assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.PAGE_ROWS
     assert f"drafter sliding-window pages hold 64 tokens ({fix.DRAFTER_SWA_ENV}=64)" in reason
 
@@ -701,23 +698,29 @@ def test_drafter_pages_can_be_forced_to_128(monkeypatch):
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0,))
     assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.DRAFTER_SWA_ROWS
-    assert fix.planned_drafter_rows() == (128, f"{fix.DRAFTER_SWA_ENV}=128")
+    decision = fix.decide(geometry.vllm_config)
+    assert (decision.drafter_swa_rows, decision.drafter_rows_why) == (
+        128,
+        f"{fix.DRAFTER_SWA_ENV}=128",
+    )
 
 
 @pytest.mark.parametrize("value", ["7", "-1", "abc", "256"])
 def test_drafter_rows_other_than_64_or_128_count_as_unset(monkeypatch, value):
     monkeypatch.delenv(fix.DRAFTER_SWA_ENV, raising=False)
-    unset = fix.drafter_swa_rows()
-    monkeypatch.setenv(fix.DRAFTER_SWA_ENV, value)
-    assert fix.drafter_swa_rows() == unset
+    with repro.applied((12, 0)):
+        config = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0,))
+        unset = fix.decide(config.vllm_config).drafter_swa_rows
+        monkeypatch.setenv(fix.DRAFTER_SWA_ENV, value)
+        assert fix.decide(config.vllm_config).drafter_swa_rows == unset
 
 
 def test_dspark_drafter_with_a_ratio_1_cache_falls_back_and_names_the_layer():
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 1, 0))
-        geometry_name, reason = fix.geometry_decision(geometry.vllm_config)
+        geometry_name, reason = _geometry_and_reason(geometry.vllm_config)
     assert geometry_name == fix.PER_RATIO
-    assert reason == (
+    assert reason.startswith(
         "speculative method dspark with model.layers.41.attn (drafter layer that reads a "
         "ratio-1 compressed cache): its ratio-1 slots are not translated"
     )
@@ -750,22 +753,22 @@ def test_split_bound_with_a_ratio_1_drafter_stops_at_binding_naming_it():
 def test_each_speculative_method_gets_the_geometry_its_drafter_allows(method, geometry_name, why):
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_speculative(method))
-        name, reason = fix.geometry_decision(geometry.vllm_config)
+        name, reason = _geometry_and_reason(geometry.vllm_config)
     assert name == geometry_name and why in reason, reason
 
 
 def test_operator_can_force_the_fallback(monkeypatch):
     monkeypatch.setenv(fix.GEOMETRY_ENV, "per-ratio")
     with repro.applied((12, 0)):
-        assert fix.geometry_decision(_config()) == (fix.PER_RATIO, f"{fix.GEOMETRY_ENV}=per-ratio")
+        assert _geometry_and_reason(_config()) == (fix.PER_RATIO, f"{fix.GEOMETRY_ENV}=per-ratio")
     monkeypatch.delenv(fix.GEOMETRY_ENV)
     with repro.applied((12, 0)):
-        unset = fix.geometry_decision(_config())
+        unset = _geometry_and_reason(_config())
     # a value that is not allowed counts as unset (the plugin warns about it when it loads)
     for value in ("bogus", "per_ratio", ""):
         monkeypatch.setenv(fix.GEOMETRY_ENV, value)
         with repro.applied((12, 0)):
-            assert fix.geometry_decision(_config()) == unset, value
+            assert _geometry_and_reason(_config()) == unset, value
 
 
 def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkeypatch):
@@ -787,7 +790,7 @@ def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkey
         ) == before
         geometry = repro.plan_geometry(128)
         assert geometry.specs["model.layers.20.attn"].block_size == 64
-        name, reason = fix.geometry_decision(geometry.vllm_config)
+        name, reason = _geometry_and_reason(geometry.vllm_config)
         assert name == fix.PER_RATIO
         assert "not reviewed" in reason and "_with_kernel_block_table" in reason
         assert "geometry per-ratio" in fix.status_detail()
@@ -802,9 +805,9 @@ def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
         entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]
         assert entry.state is State.APPLIED
         assert (
-            "geometry chosen when the model loads: upstream (the fix steps aside) where "
-            "upstream's layout for the line starts and every page is inside the installed "
-            "kernels' own envelopes, unless the fix's layout, planned on the engine's layers, "
+            "geometry chosen per engine when its model loads: upstream (the fix steps aside) "
+            "where upstream's layout for the line starts and every page is inside the installed "
+            "kernels' own envelopes, unless the fix's layout, planned on the model's layers, "
             "holds at least 1.02x its KV tokens; else interleaved-split by default"
         ) in entry.reason
         repro.plan_geometry(128)
@@ -832,7 +835,6 @@ def test_engine_log_names_the_geometry_the_gpu_test_asserts(monkeypatch):
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)  # a served process logs INFO
-    monkeypatch.setitem(fix_state._state, "decisions", {})
     try:
         with repro.applied((12, 0)):
             repro.plan_geometry(128)

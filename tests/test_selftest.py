@@ -46,11 +46,16 @@ REGRESSED_FIX = """\
 # (The module itself: the package's ``apply`` attribute is its apply function.)
 import importlib
 fix_apply = importlib.import_module("vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply")
-fix_apply._with_kernel_slots = lambda original: original
+fix_apply.with_kernel_slots = lambda original: original
 """
 
 
-def _cpu_env(**extra: str) -> dict[str, str]:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cpu_env(site: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment of an operator's run of this checkout (``site``: a folder
+    whose ``sitecustomize`` runs first)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -59,19 +64,19 @@ def _cpu_env(**extra: str) -> dict[str, str]:
             "VLLM_PLUGINS",
             "VLLM_MLA_FIXES",
             "VLLM_LOGGING_STREAM",
-            "PYTHONPATH",
             "VLLM_MLA_FIXES_DSV41_GEOMETRY",
         )
     }
-    return {**env, "CUDA_VISIBLE_DEVICES": "", **extra}
+    path = os.pathsep.join(str(p) for p in (site, ROOT) if p)
+    return {**env, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, **extra}
 
 
-def _selftest(*args: str, **env: str) -> subprocess.Popen:
+def _selftest(*args: str, site: str | None = None, **env: str) -> subprocess.Popen:
     command = Path(sys.executable).with_name("vllm-mla-fixes")  # this environment's console script
     assert command.exists(), f"{command} is missing: install the package into this environment"
     return subprocess.Popen(
         [str(command), "selftest", "--json", *args],
-        env=_cpu_env(**env),
+        env=_cpu_env(site, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -109,9 +114,7 @@ def runs(request, tmp_path_factory):
     if request.config.vllm_release == REGRESSED_ON:
         site = tmp_path_factory.mktemp("regressed")
         (site / "sitecustomize.py").write_text(REGRESSED_FIX)
-        regressed = _selftest(
-            "--geometry", "split", "--no-timing", "--jobs", "1", PYTHONPATH=str(site)
-        )
+        regressed = _selftest("--geometry", "split", "--no-timing", "--jobs", "1", site=str(site))
     return _finish(installed), regressed and _finish(regressed)
 
 

@@ -110,10 +110,10 @@ def _status_of(name: str) -> FixStatus:
         return FixStatus(
             name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was"
         )
-    detail = getattr(FIXES_BY_NAME[name], "status_detail", None)
-    if result.status.state is State.APPLIED and detail is not None:
-        # A fix whose choice is made after register() (e.g. per engine config) says which.
-        return FixStatus(name, State.APPLIED, f"{result.status.reason}; {detail()}")
+    in_process = getattr(FIXES_BY_NAME[name], "status_in_process", None)
+    if result.status.state is State.APPLIED and in_process is not None:
+        # A fix whose choice is made per engine after register() says what it chose.
+        return in_process(result.status)
     return result.status
 
 

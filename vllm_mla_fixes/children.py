@@ -1,11 +1,11 @@
 """Child processes that cannot outlive the command that started them.
 
-A command that starts a child (``doctor``'s prediction interpreter, the
-self-test's geometry workers) must not leave it running when the command is
-stopped (``timeout``, systemd and Kubernetes send SIGTERM; a terminal SIGINT),
-when it gives up on the child (a time limit), or when it dies.  Each child here
-leads a process group (and session) of its own, so that everything it starts in
-turn (ninja and nvcc of a JIT build) is ended with it:
+A command that starts a child (the self-test's geometry and timing workers)
+must not leave it running when the command is stopped (``timeout``, systemd
+and Kubernetes send SIGTERM; a terminal SIGINT), when it gives up on the child
+(a time limit), or when it dies.  Each child here leads a process group (and
+session) of its own, so that everything it starts in turn (ninja and nvcc of a
+JIT build) is ended with it:
 
 * :func:`supervised` (in the parent): a SIGTERM or SIGINT first ends every
   child group still running, then does what it did before (SIGTERM's default
@@ -13,13 +13,11 @@ turn (ninja and nvcc of a JIT build) is ended with it:
   leaving the block ends the groups still running;
 * :func:`end_group` ends a child's whole group (SIGKILL): on a time limit, and
   after the child has reported, for anything it left behind;
-* when the parent dies without a chance to do so (SIGKILL, the OOM killer): a
-  worker started by ``multiprocessing`` calls :func:`lead_group_and_watch`
-  first, whose watchdog thread ends the worker's whole group as soon as the
-  worker's parent is gone; a command started by :func:`popen` gets
-  ``PR_SET_PDEATHSIG`` (Linux), so the kernel kills it with its parent (its
-  own children, if it started any, then survive it: the commands started this
-  way start none).
+* when the parent dies without a chance to do so (SIGKILL, the OOM killer): the
+  child calls :func:`lead_group_and_watch` first, whose watchdog thread ends
+  the child's whole group as soon as its parent is gone.  (The kernel's
+  parent-death signal, ``PR_SET_PDEATHSIG``, would kill the child alone and
+  leave what it started running.)
 
 Every wait has a time limit.  Standard library only.
 """
@@ -27,38 +25,20 @@ Every wait has a time limit.  Standard library only.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType
 
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 WATCH_INTERVAL_S = 0.2  # how often a worker's watchdog looks for its parent
 REAP_TIMEOUT_S = 10.0  # a SIGKILLed process is gone in far less, unless stuck in the kernel
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
 # Leaders (pids) of the child groups started and not yet ended.
 _live: set[int] = set()
 _live_lock = threading.Lock()
-
-
-def _prctl() -> Callable[..., int] | None:
-    """libc's ``prctl``, looked up in the parent: a child between fork and exec
-    must not load a library (another thread may hold the loader's lock)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        return libc.prctl  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
 
 
 def register(leader: int) -> None:
@@ -134,54 +114,10 @@ def supervised() -> Iterator[None]:
         end_all()
 
 
-def _dies_with(parent: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
-    def in_child() -> None:  # between fork and exec: no imports, no allocation of note
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the death signal was set
-            os._exit(1)
-
-    return in_child
-
-
-def popen(command: list[str], **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(command, **kwargs)`` in a session (and process group)
-    of its own, killed by the kernel if this process dies; call it inside
-    :func:`supervised`."""
-    process = subprocess.Popen(
-        command,
-        start_new_session=True,
-        preexec_fn=_dies_with(os.getpid(), _prctl()),
-        **kwargs,
-    )
-    register(process.pid)
-    return process
-
-
-def run(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """``command`` to its end, stdout and stderr captured as text, in a group
-    of its own that is ended when it ends, on SIGTERM or SIGINT and after
-    ``timeout`` seconds (``subprocess.TimeoutExpired`` is raised then)."""
-    with supervised():
-        process = popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-        )
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            end_group(process.pid)
-            process.communicate(timeout=REAP_TIMEOUT_S)
-            raise
-        finally:
-            end_group(process.pid)  # anything it left in its group
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
-
-
 def lead_group_and_watch(parent: int) -> None:
-    """In a worker that ``multiprocessing`` started: lead a session (and
+    """In a child (a ``multiprocessing`` worker), first: lead a session (and
     process group) of its own, so that the parent ends it whole, with what it
-    starts; and end that group if ``parent`` dies (a watchdog thread: the kernel's
-    parent-death signal would kill this process alone, leaving its children)."""
+    starts; and end that group if ``parent`` dies (a watchdog thread)."""
     os.setsid()
     watchdog = threading.Thread(
         target=_end_group_when_orphaned, args=(parent,), name="parent-watchdog", daemon=True

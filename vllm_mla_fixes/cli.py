@@ -119,6 +119,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             "kernel_disagreements": _kernel_disagreements(),
             "exit_status": exit_status,
         }
+        for module in ALL_FIXES:  # per-engine decisions taken in this process
+            reports = getattr(module, "engine_reports", None)
+            if reports is not None:
+                document[module.DOCTOR_JSON_KEY] = reports()
         if vllm_mla_fixes.installed_vllm_version() in DSV41_TABLE_RELEASES:
             from vllm_mla_fixes.reproductions import dsv41_truth_table
 

@@ -6,7 +6,7 @@ installed release's planner (``get_kv_cache_groups``,
 ``get_kv_cache_config_from_groups`` for 1 GiB per rank) and its start-up token
 figure (``get_kv_cache_capacity``: "GPU KV cache size: N tokens").  The fixed
 rows apply the fix as on an SM120 device; its spec producers then ask the
-fix's own ``geometry_decision`` with the engine config the row (or the serve
+fix's own ``decide`` with the engine config the row (or the serve
 line) builds, exactly as they do at start-up.  ``benchmarks/dsv41_kv_capacity.py``
 prints the table; ``doctor`` quotes the figures for an operator's serve line.
 """
@@ -163,7 +163,8 @@ def measure(
                     max_model_len=max_model_len,
                 )
             if fixed:
-                geometry, reason = fix.geometry_decision(plan.vllm_config)
+                decision = fix.decide(plan.vllm_config)
+                geometry, reason = decision.geometry.value, decision.reason
             else:
                 geometry, reason = "upstream", f"vLLM's own layout for --block-size {block_size}"
             kv_config = plan.kv_cache_config

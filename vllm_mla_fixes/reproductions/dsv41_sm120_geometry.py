@@ -26,7 +26,7 @@ import ast
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -126,19 +126,24 @@ def make_vllm_config(
 STAND_IN_MAX_MODEL_LEN = 8192  # the scheduler's own default where no model sets one
 
 
-@contextlib.contextmanager
-def _backbone_in_model_config(
-    vllm_config, backbone: int, max_model_len: int = STAND_IN_MAX_MODEL_LEN
-) -> Iterator[None]:
-    """While the layers are built and give their specs, a serve's model config
-    says how many layers the backbone has (a drafter's are numbered past it)
-    and the max-model-len (the fix plans its 2% rule and a drafter's pages at
-    it); this config
-    has no model, so it gets a stand-in holding those for the duration."""
+def attach_model(
+    vllm_config,
+    model: dict,
+    drafter_ratios: tuple[int, ...] = (),
+    max_model_len: int = STAND_IN_MAX_MODEL_LEN,
+) -> None:
+    """Give ``vllm_config`` (which has no model) a model config as a serve's
+    has it for this model: its text config's DeepSeek-V4.1 topology (a
+    drafter's layers listed past the backbone, ``n_mtp_layers`` of them, as
+    a DSpark checkpoint's config lists them) and the max-model-len.  The fix
+    reads both to decide; a real ``ModelConfig`` inspects the model class in a
+    subprocess, so this is a namespace holding what is read of it."""
     if vllm_config.model_config is not None:
-        yield
         return
-    text = SimpleNamespace(num_hidden_layers=backbone)
+    text = SimpleNamespace(**{"qk_rope_head_dim": 64, "index_topk": 512, **model})
+    text.compress_ratios = [*model["compress_ratios"], *drafter_ratios]
+    if drafter_ratios:
+        text.n_mtp_layers = len(drafter_ratios)
     stand_in = SimpleNamespace(
         hf_config=text,
         hf_text_config=text,
@@ -146,13 +151,14 @@ def _backbone_in_model_config(
         use_mla=True,  # DeepSeek-V4.1 is MLA; a KV connector's planning asks
     )
     object.__setattr__(vllm_config, "model_config", stand_in)
-    try:
-        yield
-    finally:
-        object.__setattr__(vllm_config, "model_config", None)
 
 
-def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ()) -> dict[str, Any]:
+def build_layers(
+    vllm_config,
+    model: dict,
+    drafter_ratios: tuple[int, ...] = (),
+    only: Iterable[int] | None = None,
+) -> dict[str, Any]:
     """Register the model's KV-cache layers in ``vllm_config``'s static forward
     context, as ``DeepseekV41ForCausalLM`` does on SM120; returns the attention layers.
 
@@ -174,8 +180,9 @@ def build_layers(vllm_config, model: dict, drafter_ratios: tuple[int, ...] = ())
     index_sources = set(model["index_source_layer_ids"])
     layers = {}
     backbone = model["num_hidden_layers"]
-    with set_current_vllm_config(vllm_config), _backbone_in_model_config(vllm_config, backbone):
-        for layer_id in range(backbone + len(drafter_ratios)):
+    attach_model(vllm_config, model, drafter_ratios)
+    with set_current_vllm_config(vllm_config):
+        for layer_id in range(backbone + len(drafter_ratios)) if only is None else only:
             prefix = attention_prefix(layer_id)
             drafter = layer_id >= backbone
             attn = SM120Attention.__new__(SM120Attention)
@@ -292,10 +299,9 @@ def plan_geometry(
         object.__setattr__(vllm_config, "speculative_config", speculative_config)
     drafter_ratios = drafter_ratios or (settings.drafter_ratios if settings else ())
     model_layout: dict[str, Any] = DSV41_FLASH if model is None else model
+    attach_model(vllm_config, model_layout, drafter_ratios, max_model_len)
     layers = build_layers(vllm_config, model_layout, drafter_ratios)
-    # The fix plans its choices at the max-model-len (the 2% rule, a drafter's pages).
-    with _backbone_in_model_config(vllm_config, model_layout["num_hidden_layers"], max_model_len):
-        specs = get_kv_cache_spec(vllm_config)
+    specs = get_kv_cache_spec(vllm_config)
     backends = {
         layer.get_attn_backend()
         for layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
@@ -362,8 +368,10 @@ def create_metadata_builders(geometry: Geometry, max_model_len: int = 8192) -> N
     model = dict(DSV41_FLASH, qk_rope_head_dim=64, index_topk=512)
     hf_config = DeepseekV41Config(text_config=model)
     config = geometry.vllm_config
+    # The builders read the real config class; the text config the fix read stays.
+    text = getattr(config.model_config, "hf_text_config", None) or hf_config
     config.model_config = SimpleNamespace(
-        hf_config=hf_config, hf_text_config=hf_config, max_model_len=max_model_len
+        hf_config=hf_config, hf_text_config=text, max_model_len=max_model_len, use_mla=True
     )
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     for group_id, groups in enumerate(geometry.attn_groups):
@@ -679,7 +687,7 @@ def _verify(report: Callable[[str], None]) -> bool:
             allocate_and_bind(geometry)  # runs the start-up self-check
             pages = flashinfer_pages(geometry)
             rejected, unknown = kernel_verdicts(pages)
-            decided = fix.geometry_decision(geometry.vllm_config)[0]
+            decided = fix.STATE.decision_for(geometry.vllm_config).geometry
             report(
                 f"--block-size {block_size}, fixed ({decided}): kernel block sizes "
                 f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -348,12 +349,15 @@ COMMAND = "vllm-mla-fixes status --json --truth-table"
 
 
 def _cache_file() -> Path | None:
-    """Where the installed build's table is kept: keyed by vLLM's and
-    FlashInfer's versions and by this package's DeepSeek-V4.1 code, so that
-    any change to them is a new table; None outside the covered releases."""
+    """Where the installed build's table is kept, keyed by what deriving it
+    reads: the bytes of every kernel declaration file the envelopes were read
+    from, of vLLM's sources the fix reviews, and of this package's
+    DeepSeek-V4.1 code, with vLLM's and FlashInfer's versions; None outside
+    the covered releases or where the key cannot be made."""
     from importlib.metadata import PackageNotFoundError, version
 
     from vllm_mla_fixes import screen_cache
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
 
     try:
         installed = version("vllm")
@@ -366,10 +370,27 @@ def _cache_file() -> Path | None:
     sources = sorted((package / "fixes" / "dsv41_sm120_geometry").rglob("*.py"))
     sources += [package / "reproductions" / name for name in REPRODUCTION_SOURCES]
     digest = hashlib.sha256()
-    for path in sources:
-        digest.update(path.read_bytes())
-    key = f"{installed}-{flashinfer}-{digest.hexdigest()[:16]}"
-    return screen_cache.cache_dir() / "truth-tables" / f"{key}.json"
+    try:
+        for path in sources:
+            digest.update(path.read_bytes())
+        digest.update(envelope.content_key().encode())
+        digest.update(screen_cache.screen_key(gate).encode())
+        folder = screen_cache.cache_dir()
+    except (OSError, ValueError) as exc:
+        logging.getLogger("vllm.mla_fixes").debug("truth-table cache not used: %s", exc)
+        return None
+    key = f"{installed}-{flashinfer}-{digest.hexdigest()[:24]}"
+    return folder / "truth-tables" / f"{key}.json"
+
+
+def _cached_cells(cache: Path) -> Any:
+    """The cells kept at ``cache``, or None where there are none to read."""
+    try:
+        cells = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        logging.getLogger("vllm.mla_fixes").debug("truth-table cache %s not read: %s", cache, exc)
+        return None
+    return cells if isinstance(cells, list) else None
 
 
 REPRODUCTION_SOURCES = ("dsv41_truth_table.py", "dsv41_capacity.py", "dsv41_sm120_geometry.py")
@@ -382,8 +403,9 @@ def for_status(compute: bool) -> dict[str, Any]:
     cache = _cache_file()
     if cache is None:
         return {"cells": None, "source": "not a release the DeepSeek-V4.1 fix covers"}
-    if cache.is_file():
-        return {"cells": json.loads(cache.read_text(encoding="utf-8")), "source": str(cache)}
+    cells = _cached_cells(cache)
+    if cells is not None:
+        return {"cells": cells, "source": str(cache)}
     if not compute:
         return {
             "cells": None,
@@ -407,9 +429,16 @@ def for_status(compute: bool) -> dict[str, Any]:
         }
     from vllm_mla_fixes.atomic import write_atomic
 
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(cache, done.stdout.strip().splitlines()[-1])
-    return {"cells": json.loads(cache.read_text(encoding="utf-8")), "source": str(cache)}
+    printed = done.stdout.strip().splitlines()[-1]
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(cache, printed)
+    except OSError as exc:  # the table stands without its cache
+        logging.getLogger("vllm.mla_fixes").debug(
+            "truth-table cache %s not written: %s", cache, exc
+        )
+        return {"cells": json.loads(printed), "source": "derived now (not kept: the cache failed)"}
+    return {"cells": json.loads(printed), "source": str(cache)}
 
 
 def main(argv: list[str] | None = None) -> int:

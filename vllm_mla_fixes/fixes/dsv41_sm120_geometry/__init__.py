@@ -142,10 +142,7 @@ Layout
     doctor    ``vllm-mla-fixes doctor``'s findings
 """
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply import (
-    apply,
-    for_capability,
-)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply import apply, for_capability
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
     bound_pages,
     check_no_split_drafter,
@@ -154,11 +151,10 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
     specs_geometry,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
-    SIMPLE_OFFLOAD_ENV,
-    drafter_swa_rows,
+    Decision,
+    decide,
+    decide_for,
     flashinfer_takes_runtime_swa_pages,
-    geometry_decision,
-    status_detail,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import (
     DOCTOR_JSON_KEY,
@@ -167,7 +163,13 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import (
     SPLIT_ERROR_0_34,
     diagnose,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.drafter_pages import planned_drafter_rows
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import (
+    SIMPLE_OFFLOAD_ENV,
+    EngineConfig,
+    ModelLayout,
+    engine_config,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
     REVIEWED,
     SPLIT_TARGETS,
@@ -195,24 +197,34 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     WORKER_UTILS_MODULE,
     PageGeometryError,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import (
-    kernel_slots,
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import (
+    engine_report,
+    engine_reports,
+    status_detail,
+    status_in_process,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import CacheKind, Geometry
 
 __all__ = [
     "ATTENTION_MODULE",
+    "CacheKind",
     "DOCTOR_JSON_KEY",
     "DRAFTER_SWA_ENV",
     "DRAFTER_SWA_ROWS",
+    "Decision",
+    "EngineConfig",
     "FLASHINFER_BACKEND",
     "FLASHINFER_MODULE",
+    "GAIN_TO_APPLY",
     "GEOMETRY_ENV",
+    "Geometry",
     "INDEXER_BACKEND",
     "INDEXER_FP8_FLAG",
     "INDEXER_MODULE",
-    "GAIN_TO_APPLY",
     "INFO",
     "MOE_MARLIN_FLAG",
+    "ModelLayout",
     "PAGE_ROWS",
     "PER_RATIO",
     "PageGeometryError",
@@ -221,8 +233,9 @@ __all__ = [
     "SPLIT",
     "SPLIT_ERROR_0_34",
     "SPLIT_MANAGER_BLOCK",
-    "UPSTREAM",
     "SPLIT_TARGETS",
+    "STATE",
+    "UPSTREAM",
     "UPSTREAM_SWA_BLOCK",
     "WORKER_UTILS_MODULE",
     "apply",
@@ -230,16 +243,19 @@ __all__ = [
     "check_no_split_drafter",
     "check_page_geometry",
     "check_workers_agree",
+    "decide",
+    "decide_for",
     "diagnose",
-    "drafter_swa_rows",
+    "engine_config",
+    "engine_report",
+    "engine_reports",
     "flashinfer_takes_runtime_swa_pages",
     "for_capability",
-    "geometry_decision",
     "kernel_slots",
-    "planned_drafter_rows",
     "probe",
     "source_screen",
     "specs_geometry",
     "split_unreviewed",
     "status_detail",
+    "status_in_process",
 ]

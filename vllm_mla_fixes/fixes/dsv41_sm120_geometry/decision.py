@@ -1,83 +1,319 @@
-"""Geometry decision: which layout (interleaved split or per-ratio) an engine
-configuration gets on SM12x, and why; what ``status`` says about it; how many
-rows a drafter's sliding-window pages hold."""
+"""The decision: which KV layout one engine gets, as a pure function.
+
+:func:`decide` takes what an engine is (:class:`~.engine.EngineConfig`, read
+from its ``VllmConfig``) and what the installed kernels declare, and returns a
+frozen :class:`Decision`: the geometry, the page rows of every sliding-window
+cache, whether upstream's own layout works and what the kernels reject of it,
+and the capacity of both layouts as vLLM's planner plans them on the full
+model.  It reads no live layer, no earlier decision and no state: every
+process, pipeline rank and node, ``doctor`` (on the operator's
+``config.json``), the truth table and the capacity benchmark call it with the
+same inputs and get the same answer.  :mod:`.fix_state` keeps each engine's
+answer, keyed by its :class:`~.engine.EngineConfig`.
+
+The rule, in order:
+
+1. ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio`` forces the fallback.
+2. The fix's candidate: the interleaved split, unless a setting of the line
+   or the model is not proven with it (:func:`_candidate`), then per-ratio.
+3. A DSpark drafter's sliding-window pages: 128 rows where FlashInfer takes
+   run-time page sizes and planning both finds they hold more, else 64.
+4. Where upstream's layout for the line starts and every page of it is
+   inside the installed kernels' own envelopes, the fix steps aside
+   (:attr:`Geometry.UPSTREAM`) unless its candidate holds at least
+   :data:`GAIN_TO_APPLY` times upstream's KV tokens per GiB at the engine's
+   max-model-len (``VLLM_MLA_FIXES_DSV41_GEOMETRY=interleaved-split`` skips
+   this step).  An envelope that cannot be read is never "accepts".
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-import sys
 from typing import Any
 
-from vllm_mla_fixes import settings
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
-    split_unreviewed,
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, model_specs, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import (
+    DSPARK,
+    OFFLOADING_CONNECTOR,
+    SM12X_MAJOR,
+    EngineConfig,
+    ModelLayout,
+    engine_config,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import split_unreviewed
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
-    ATTENTION_MODULE,
-    DRAFTER_SWA_ENV,
     DRAFTER_SWA_ROWS,
     FP8_INDEXER_ROW,
     GAIN_TO_APPLY,
     GEOMETRY_ENV,
-    INFO,
     PAGE_ROWS,
-    PER_RATIO,
-    SPLIT,
     SPLIT_MANAGER_BLOCK,
-    UPSTREAM,
+    UPSTREAM_SWA_BLOCK,
     V4_RECORD_BYTES,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import (
-    _ORIGINAL_PRODUCERS,
-    GAIN_MEMO,
-    _logger,
-    _state,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    geometry: str  # SPLIT or PER_RATIO
-    reason: str
-    unit: int = 0  # bytes of one interleave unit (compressed + indexer kernel page), SPLIT only
-
-
-_SPLIT_DEFAULT = (
-    "default on SM12x: 128-token blocks, ratio-1 compressed/indexer pages "
-    "interleaved as 64-state kernel pages"
-)
-
-
-DSPARK = "dspark"
-
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.planning import planned_tokens
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import CacheKind, Geometry
 
 # Speculative methods that draft from token ids alone: no drafter layer, no
-# drafter KV; the target's verify pass (1 + N tokens, metadata rebuilt and its
-# ratio-1 slots translated every step) is the only writer, as without drafting.
+# drafter KV; the target's verify pass is the only writer, as without drafting.
 TOKEN_ONLY_METHODS = ("ngram", "ngram_gpu", "suffix")
-
 
 # Drafters with attention layers of their own that write KV in the target's
 # cache groups and update draft-decode metadata in place: the indexer's
 # ``update_draft_decode_metadata`` recomputes slots only for ratio > 1.
 EAGLE_STYLE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "draft_model")
 
-
-def speculative_method(vllm_config: Any) -> str | None:
-    config = getattr(vllm_config, "speculative_config", None)
-    if config is None:
-        return None
-    return str(getattr(config, "method", None) or "unknown").lower()
+SPLIT_DEFAULT = (
+    "default on SM12x: 128-token blocks, ratio-1 compressed/indexer pages "
+    "interleaved as 64-state kernel pages"
+)
 
 
-def _speculative_trigger(method: str | None) -> str | None:
-    """Why the split is not used with this speculative method, or None (the
-    per-method reasons are what ``status``, ``doctor`` and the README say)."""
-    if method is None or method == DSPARK or method in TOKEN_ONLY_METHODS:
-        return None
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One engine's KV layout, and everything it was decided from."""
+
+    geometry: Geometry
+    reason: str
+    unit: int  # bytes of one interleave unit (compressed + indexer kernel page); split only
+    backbone_swa_rows: int  # rows of the backbone's sliding-window pages
+    drafter_swa_rows: int  # rows of a drafter's sliding-window pages
+    drafter_rows_why: str
+    upstream: upstream.UpstreamLayout | None  # upstream's layout for the line (None: unread)
+    max_model_len: int | None
+    fix_tokens: int | None  # KV tokens per GiB of the fix's candidate (None: not planned)
+    upstream_tokens: int | None  # of upstream's layout, where it starts (None: not planned)
+    evidence: tuple[str, ...] = ()  # what could not be read, naming the file or field
+
+    @property
+    def applies(self) -> bool:
+        return self.geometry is not Geometry.UPSTREAM
+
+    @property
+    def vs_upstream(self) -> float | None:
+        if self.fix_tokens is None or not self.upstream_tokens:
+            return None
+        return round(self.fix_tokens / self.upstream_tokens, 4)
+
+    def swa_rows(self, layer: int, model: ModelLayout | None) -> int:
+        drafter = model is not None and model.is_drafter(layer)
+        return self.drafter_swa_rows if drafter else self.backbone_swa_rows
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``status --json`` and ``doctor --json`` show of the decision."""
+        layout = self.upstream
+        return {
+            "decision": self.geometry.value,
+            "reason": self.reason,
+            "interleave_unit_bytes": self.unit or None,
+            "sliding_window_rows": self.backbone_swa_rows,
+            "drafter_sliding_window_rows": self.drafter_swa_rows,
+            "block_size": None if layout is None else layout.block_size,
+            "upstream_starts": None if layout is None else layout.starts,
+            "upstream_start_error": None if layout is None else layout.start_error,
+            "upstream_works": None if layout is None else layout.works,
+            "upstream_rejected": [] if layout is None else [r.as_dict() for r in layout.rejected],
+            "unknown_envelopes": [] if layout is None else list(layout.unknown),
+            "at_max_model_len": self.max_model_len,
+            "fix_tokens_per_gib": self.fix_tokens,
+            "upstream_tokens_per_gib": self.upstream_tokens,
+            "vs_upstream": self.vs_upstream,
+            "evidence": list(self.evidence),
+        }
+
+
+def decide(vllm_config: Any) -> Decision:
+    """The decision for an engine configuration (see the module's rule)."""
+    return decide_for(engine_config(vllm_config), vllm_config)
+
+
+def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
+    """The decision for ``engine``; ``vllm_config`` is the config it was read
+    from, handed to vLLM's spec producers and planner."""
+    layout, layout_problem = _upstream_layout(engine)
+    if engine.capability is not None and engine.capability[0] != SM12X_MAJOR:
+        return _off_sm12x(engine, layout)
+    if engine.forced_geometry is Geometry.PER_RATIO:
+        return _fix_decision(
+            engine, vllm_config, Geometry.PER_RATIO, f"{GEOMETRY_ENV}=per-ratio", 0, layout
+        )
+    geometry, why, unit = _candidate(engine, vllm_config)
+    candidate = _fix_decision(engine, vllm_config, geometry, why, unit, layout)
+    evidence = candidate.evidence + ((layout_problem,) if layout_problem else ())
+    if layout is not None:
+        evidence += tuple(f"kernel declaration not read: {text}" for text in layout.unknown)
+    if engine.forced_geometry is Geometry.SPLIT or layout is None or not layout.works:
+        reason = candidate.reason
+        if layout is not None and layout.works is None:
+            reason = (
+                f"upstream's layout could not be judged ({'; '.join(layout.unknown)}); {reason}"
+            )
+        planned = None
+        if layout is not None and layout.starts and candidate.fix_tokens is not None:
+            try:  # what upstream's own layout would hold, for the figures
+                planned = upstream_tokens(engine, vllm_config, layout.block_size)
+            except Exception as exc:  # noqa: BLE001 - figures only
+                evidence += (_failed(f"upstream's --block-size {layout.block_size} layout", exc),)
+        return dataclasses.replace(
+            candidate, reason=reason, evidence=evidence, upstream_tokens=planned
+        )
+    return _gain_rule(engine, vllm_config, candidate, layout, evidence)
+
+
+def _off_sm12x(engine: EngineConfig, layout: upstream.UpstreamLayout | None) -> Decision:
+    """Another device: vLLM's own layout, untouched."""
+    major, minor = engine.capability or (0, 0)
+    return Decision(
+        geometry=Geometry.UPSTREAM,
+        reason=f"not-needed: the device is SM{major}{minor}, not SM12x; vLLM's own layout",
+        unit=0,
+        backbone_swa_rows=UPSTREAM_SWA_BLOCK,
+        drafter_swa_rows=UPSTREAM_SWA_BLOCK,
+        drafter_rows_why="upstream's own sliding-window pages",
+        upstream=layout,
+        max_model_len=engine.max_model_len,
+        fix_tokens=None,
+        upstream_tokens=None,
+    )
+
+
+def _upstream_layout(engine: EngineConfig) -> tuple[upstream.UpstreamLayout | None, str]:
+    ratios = (1, 2) if engine.model is None else _compressed_ratios(engine.model)
+    try:
+        declared = upstream.declared_kernel_blocks()
+        block_size = engine.block_size or upstream.picked_block_size(declared)
+        return upstream.upstream_layout(block_size, ratios, declared), ""
+    except Exception as exc:  # noqa: BLE001 - the backends cannot be asked here: keep the fix's layout
+        return None, f"upstream's layout could not be read: {type(exc).__name__}: {exc}"
+
+
+def _compressed_ratios(model: ModelLayout) -> tuple[int, ...]:
+    return model.owned_ratios or (1, 2)
+
+
+def _gain_rule(
+    engine: EngineConfig,
+    vllm_config: Any,
+    candidate: Decision,
+    layout: upstream.UpstreamLayout,
+    evidence: tuple[str, ...],
+) -> Decision:
+    """Upstream's layout works: the fix applies only where its own holds at
+    least :data:`GAIN_TO_APPLY` times as many KV tokens per GiB."""
+    aside = (
+        f"not-needed: upstream's --block-size {layout.block_size} layout is within the "
+        "installed kernels' envelopes"
+    )
+    planned = None
+    if engine.model is not None and engine.max_model_len is not None:
+        try:
+            planned = upstream_tokens(engine, vllm_config, layout.block_size)
+        except Exception as exc:  # noqa: BLE001 - upstream's working layout is kept, and why
+            evidence += (_failed(f"upstream's --block-size {layout.block_size} layout", exc),)
+    stepped_aside = dataclasses.replace(
+        candidate,
+        geometry=Geometry.UPSTREAM,
+        unit=0,
+        backbone_swa_rows=UPSTREAM_SWA_BLOCK,
+        drafter_swa_rows=UPSTREAM_SWA_BLOCK,
+        drafter_rows_why="upstream's own sliding-window pages",
+        upstream_tokens=planned,
+        evidence=evidence,
+    )
+    if candidate.fix_tokens is None or planned is None:
+        missing = engine.model_problem or (
+            "no max-model-len to plan the layouts at"
+            if engine.max_model_len is None
+            else "planning failed (see the evidence)"
+        )
+        return dataclasses.replace(
+            stepped_aside, reason=f"{aside}; not planned: {missing}", evidence=evidence
+        )
+    ratio = candidate.fix_tokens / planned
+    figures = (
+        f"planned on the model's layers at max_model_len {engine.max_model_len}: the fix's "
+        f"{candidate.geometry.value} layout holds {candidate.fix_tokens:,} KV tokens per GiB, "
+        f"upstream's {planned:,} ({ratio:.3f}x, "
+        f"{'at least' if ratio >= GAIN_TO_APPLY else 'under'} the {GAIN_TO_APPLY:.2f}x that "
+        "a layout nobody has run on hardware must gain)"
+    )
+    if ratio < GAIN_TO_APPLY:
+        return dataclasses.replace(stepped_aside, reason=f"{aside}; {figures}")
+    return dataclasses.replace(
+        candidate,
+        reason=f"{figures}; {candidate.reason}",
+        upstream_tokens=planned,
+        evidence=evidence,
+    )
+
+
+def _fix_decision(
+    engine: EngineConfig,
+    vllm_config: Any,
+    geometry: Geometry,
+    why: str,
+    unit: int,
+    layout: upstream.UpstreamLayout | None,
+) -> Decision:
+    """The fix's layout for ``geometry``, its drafter rows planned, its
+    capacity planned where the model's topology is known."""
+    rows, rows_why = _drafter_rows(engine, vllm_config, geometry, unit)
+    tokens = None
+    evidence: tuple[str, ...] = () if engine.model is not None else (engine.model_problem,)
+    if engine.model is not None and engine.max_model_len is not None:
+        try:
+            tokens = _fix_tokens(engine, vllm_config, geometry, unit, rows)
+        except Exception as exc:  # noqa: BLE001 - named as evidence; the layout stands
+            evidence += (_failed(f"the fix's {geometry.value} layout", exc),)
+    if engine.model is not None and engine.model.drafter_layers:
+        why += f"; drafter sliding-window pages hold {rows} tokens ({rows_why})"
+    return Decision(
+        geometry=geometry,
+        reason=why,
+        unit=unit,
+        backbone_swa_rows=PAGE_ROWS,
+        drafter_swa_rows=rows,
+        drafter_rows_why=rows_why,
+        upstream=layout,
+        max_model_len=engine.max_model_len,
+        fix_tokens=tokens,
+        upstream_tokens=None,
+        evidence=evidence,
+    )
+
+
+# ------------------------------------------------------------- the candidate
+
+
+def _candidate(engine: EngineConfig, vllm_config: Any) -> tuple[Geometry, str, int]:
+    """(geometry, why, interleave unit) of the fix's own layout."""
+    unreviewed = _split_unreviewed()
+    if unreviewed:
+        return Geometry.PER_RATIO, unreviewed, 0
+    trigger = _config_trigger(engine)
+    if trigger:
+        return Geometry.PER_RATIO, trigger, 0
+    if engine.model is None:
+        return Geometry.PER_RATIO, f"the split cannot be laid out: {engine.model_problem}", 0
+    misfit = _drafter_misfit(engine) or _pairing_misfit(engine.model)
+    if misfit:
+        return Geometry.PER_RATIO, misfit, 0
+    unit, misfit = _pair_unit(engine, vllm_config)
+    if misfit:
+        return Geometry.PER_RATIO, misfit, 0
+    return Geometry.SPLIT, SPLIT_DEFAULT + _speculative_note(engine), unit
+
+
+def _split_unreviewed() -> str:
+    try:
+        return split_unreviewed() or ""
+    except Exception as exc:  # noqa: BLE001 - vLLM's sources unreadable: the fallback, say why
+        return f"cannot read vLLM's sources here: {type(exc).__name__}: {exc}"
+
+
+def _config_trigger(engine: EngineConfig) -> str | None:
+    """The first engine setting under which the split is not proven safe."""
+    method = engine.speculative_method
     if method in EAGLE_STYLE_METHODS:
         return (
             f"speculative method {method} (its drafter layers write KV through their own "
@@ -85,375 +321,195 @@ def _speculative_trigger(method: str | None) -> str | None:
             "update_draft_decode_metadata recomputes slots only for ratio > 1: not "
             "reviewed with the split)"
         )
-    return f"speculative method {method} is not reviewed with the split"
-
-
-def _speculative_note(method: str | None) -> str:
-    """What the in-force split adds to its reason under speculative decoding."""
-    if method == DSPARK:
-        rows, why = drafter_swa_rows()
+    if method is not None and method != DSPARK and method not in TOKEN_ONLY_METHODS:
+        return f"speculative method {method} is not reviewed with the split"
+    if engine.kv_connector is not None and engine.kv_connector != OFFLOADING_CONNECTOR:
+        # vLLM's CPU offloading moves a packed layout's whole blocks; others may not
         return (
-            "; with DSpark: no drafter layer owns or reads a ratio-1 compressed or indexer "
-            "cache (checked on the model's layers), so only the target's verify pass "
-            f"writes ratio-1 pages, through kernel-table slots; drafter sliding-window pages "
-            f"hold {rows} tokens ({why})"
+            f"KV connector {engine.kv_connector} is configured (not reviewed with the split: it "
+            "may move manager-block pages per layer, where the split's ratio-1 pages interleave)"
         )
-    if method in TOKEN_ONLY_METHODS:
-        return (
-            f"; with {method}: drafts come from token ids, no drafter KV; only the target's "
-            "verify pass writes ratio-1 pages, through kernel-table slots"
-        )
-    return ""
-
-
-def drafter_ratio1_layer(
-    forward_context: dict[str, Any], num_backbone_layers: int | None
-) -> str | None:
-    """The first drafter layer that owns or reads a ratio-1 compressed or
-    indexer cache, described, or None.  A drafter layer is one vLLM's
-    speculator marked ``is_draft_layer``, or an attention layer numbered past
-    the backbone."""
-    attention = sys.modules.get(ATTENTION_MODULE)
-    if attention is None:
-        return None
-    for name, layer in forward_context.items():
-        past_backbone = (
-            num_backbone_layers is not None
-            and isinstance(getattr(layer, "layer_id", None), int)
-            and layer.layer_id >= num_backbone_layers
-        )
-        if not (getattr(layer, "is_draft_layer", False) or past_backbone):
-            continue
-        if isinstance(layer, attention.DeepseekV4IndexerCache) and layer.compress_ratio == 1:
-            return f"{name} (drafter indexer cache, compress ratio 1)"
-        if isinstance(layer, attention.DeepseekV4Attention) and layer.compress_ratio == 1:
-            role = "owns" if layer.is_kv_source else "reads"
-            return f"{name} (drafter layer that {role} a ratio-1 compressed cache)"
-    return None
-
-
-def _drafter_layers(forward_context: dict[str, Any]) -> list[str]:
-    return [
-        name for name, layer in forward_context.items() if getattr(layer, "is_draft_layer", False)
-    ]
-
-
-def _backbone_layers(vllm_config: Any) -> int | None:
-    text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
-    value = getattr(text, "num_hidden_layers", None)
-    return value if isinstance(value, int) else None
-
-
-def _dspark_misfit(vllm_config: Any) -> str | None:
-    """Under DSpark, once the model's layers are registered: why its drafter
-    does not fit the split, or None."""
-    context = getattr(
-        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
-    )
-    if not context:
-        return None
-    if not _drafter_layers(context):
-        return (
-            "speculative method dspark, but no drafter layer is registered with the model's "
-            "layers, so they cannot be checked for ratio-1 caches"
-        )
-    layer = drafter_ratio1_layer(context, _backbone_layers(vllm_config))
-    if layer is not None:
-        return f"speculative method dspark with {layer}: its ratio-1 slots are not translated"
-    return None
-
-
-OFFLOADING_CONNECTOR = "OffloadingConnector"
-
-
-SIMPLE_OFFLOAD_ENV = "VLLM_USE_SIMPLE_KV_OFFLOAD"
-
-
-def kv_connector_name(vllm_config: Any) -> str | None:
-    """The KV connector the engine runs: the configured one, else the one
-    ``--kv-offloading-size`` selects (``VllmConfig`` does this itself; a
-    serve line read by ``doctor`` has not been through it), else None."""
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is not None:
-        return str(getattr(transfer, "kv_connector", None) or "unknown")
-    cache = getattr(vllm_config, "cache_config", None)
-    if getattr(cache, "kv_offloading_size", None) is None:
-        return None
-    if (getattr(cache, "kv_offloading_backend", None) or "native") != "native":
-        return "LMCacheMPConnector"
-    if os.environ.get(SIMPLE_OFFLOAD_ENV, "").strip().lower() in ("1", "true"):
-        return "SimpleCPUOffloadConnector"
-    return OFFLOADING_CONNECTOR
-
-
-def _kv_transfer_trigger(vllm_config: Any) -> str | None:
-    connector = kv_connector_name(vllm_config)
-    if connector is None or connector == OFFLOADING_CONNECTOR:
-        # vLLM's CPU offloading moves a packed layout's whole blocks (every
-        # layer's pages of a block id); the self-test's offload-reload case
-        # clobbers and reloads them through its own transfer regions.
-        return None
-    return (
-        f"KV connector {connector} is configured (not reviewed with the split: it may move "
-        "manager-block pages per layer, where the split's ratio-1 pages interleave)"
-    )
-
-
-def _config_triggers(vllm_config: Any) -> str | None:
-    """The first engine setting under which the split is not proven safe."""
-    speculative = _speculative_trigger(speculative_method(vllm_config))
-    if speculative:
-        return speculative
-    transfer = _kv_transfer_trigger(vllm_config)
-    if transfer:
-        return transfer
-    parallel = getattr(vllm_config, "parallel_config", None)
-    for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        size = getattr(parallel, field, 1) or 1
+    for field, size in (
+        ("decode_context_parallel_size", engine.decode_context_parallel),
+        ("prefill_context_parallel_size", engine.prefill_context_parallel),
+    ):
         if size > 1:
             return (
                 f"{field} is {size} (context-parallel slot sharding is not reviewed with the split)"
             )
-    attention = getattr(vllm_config, "attention_config", None)
-    if getattr(attention, "hisparse_config", None) is not None:
+    if engine.hisparse:
         return "HiSparse is configured (not reviewed with the split)"
-    attention_module = sys.modules.get(ATTENTION_MODULE)
-    if attention_module is not None and attention_module._use_v41_mxfp8_kv_record():
+    if engine.mxfp8_record:
         return "the KV record is MXFP8 (the split is proven on the V4 fp8_ds_mla record)"
     return None
 
 
-def _ratio1_pair_unit(vllm_config: Any) -> tuple[int, str | None]:
-    """(interleave unit in bytes, None) from the model's real ratio-1 caches,
-    or (0, why the split does not fit this model).  Reads the layers vLLM
-    registered in the static forward context; (0, None) before they exist."""
-    attention = sys.modules.get(ATTENTION_MODULE)
-    context = getattr(
-        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
-    )
-    if attention is None or not context:
-        return 0, None
-    sources = [
-        layer
-        for layer in context.values()
-        if isinstance(layer, attention.DeepseekV4Attention) and layer.is_kv_source
-    ]
-    indexers = [
-        layer for layer in context.values() if isinstance(layer, attention.DeepseekV4IndexerCache)
-    ]
-    ratios = {int(layer.compress_ratio) for layer in [*sources, *indexers]}
+def _drafter_misfit(engine: EngineConfig) -> str | None:
+    """Under DSpark: a drafter layer that reads a ratio-1 compressed cache
+    (its writes would take manager-block slots), from the model config."""
+    model = engine.model
+    if engine.speculative_method != DSPARK or model is None:
+        return None
+    for layer in model.layers:
+        if model.is_drafter(layer) and model.ratio(layer) == 1:
+            return (
+                f"speculative method dspark with {model_specs.attention_prefix(layer)} (drafter "
+                "layer that reads a ratio-1 compressed cache): its ratio-1 slots are not translated"
+            )
+    return None
+
+
+def _pairing_misfit(model: ModelLayout) -> str | None:
+    ratios = set(model.owned_ratios)
     if not ratios <= {1, 2}:
-        return 0, f"compress ratios {sorted(ratios)} (the split is reviewed for ratios 1 and 2)"
-    ratio1 = [layer for layer in sources if layer.compress_ratio == 1]
-    ratio1_index = [layer for layer in indexers if layer.compress_ratio == 1]
-    if not ratio1:
-        return 0, "no ratio-1 cache to split (the per-ratio geometry is the same)"
-    if len(ratio1) != len(ratio1_index):
-        return 0, (
-            f"{len(ratio1)} ratio-1 compressed caches but {len(ratio1_index)} ratio-1 "
-            "indexer caches (they interleave in pairs)"
+        return f"compress ratios {sorted(ratios)} (the split is reviewed for ratios 1 and 2)"
+    compressed = [n for n in model.layers if model.owns_compressed(n) and model.ratio(n) == 1]
+    indexers = [n for n in compressed if model.owns_indexer(n)]
+    if not compressed:
+        return "no ratio-1 cache to split (the per-ratio geometry is the same)"
+    if len(compressed) != len(indexers):
+        return (
+            f"{len(compressed)} ratio-1 compressed caches but {len(indexers)} ratio-1 indexer "
+            "caches (they interleave in pairs)"
         )
-    pages = []
-    for layer, cls in (
-        (ratio1[0], attention.DeepseekV4Attention),
-        (ratio1_index[0], attention.DeepseekV4IndexerCache),
+    return None
+
+
+def _pair_unit(engine: EngineConfig, vllm_config: Any) -> tuple[int, str | None]:
+    """(interleave unit in bytes, None), or (0, why the split does not fit),
+    from the specs of the model's ratio-1 compressed and indexer caches."""
+    assert engine.model is not None
+    specs = model_specs.model_specs(vllm_config, engine, SPLIT_MANAGER_BLOCK, {})
+    pair: dict[CacheKind, Any] = {
+        cache.kind: specs[cache.name]
+        for cache in model_specs.caches(engine.model)
+        if cache.compress_ratio == 1 and cache.kind in (CacheKind.COMPRESSED, CacheKind.INDEXER)
+    }
+    pages = 0
+    for kind, expected in (
+        (CacheKind.COMPRESSED, V4_RECORD_BYTES),
+        (CacheKind.INDEXER, FP8_INDEXER_ROW),
     ):
-        spec = _ORIGINAL_PRODUCERS[cls](layer, vllm_config)
-        state_bytes = getattr(spec, "state_content_bytes", None) or spec.head_size
-        expected = V4_RECORD_BYTES if cls is attention.DeepseekV4Attention else FP8_INDEXER_ROW
-        if state_bytes != expected:
+        spec = pair[kind]
+        record = getattr(spec, "state_content_bytes", None) or spec.head_size
+        if record != expected:
             return 0, (
-                f"{cls.__name__} record of {state_bytes} B (the split is proven on the "
+                f"{kind.value} record of {record} B (the split is proven on the "
                 f"{V4_RECORD_BYTES}-B V4 record and the {FP8_INDEXER_ROW}-B fp8 indexer row)"
             )
         kernel_page = spec.copy_with_new_block_size(PAGE_ROWS).page_size_bytes
         manager_page = spec.copy_with_new_block_size(SPLIT_MANAGER_BLOCK).page_size_bytes
         if manager_page != 2 * kernel_page:
             return 0, (
-                f"{cls.__name__}: a {SPLIT_MANAGER_BLOCK}-token page ({manager_page} B) is "
-                f"not two {PAGE_ROWS}-state pages ({kernel_page} B)"
+                f"{kind.value}: a {SPLIT_MANAGER_BLOCK}-token page ({manager_page} B) is not two "
+                f"{PAGE_ROWS}-state pages ({kernel_page} B)"
             )
-        pages.append(kernel_page)
-    return sum(pages), None
+        pages += kernel_page
+    return pages, None
 
 
-@dataclasses.dataclass(frozen=True)
-class UpstreamGain:
-    """The 2% rule, planned on one engine's real layers (:mod:`.gain`): the
-    fix's best layout against upstream's working one, in KV tokens per GiB at
-    the engine's max-model-len; ``ratio`` None where they could not be planned."""
-
-    ratio: float | None
-    note: str
-
-    @property
-    def applies(self) -> bool:
-        return self.ratio is not None and self.ratio >= GAIN_TO_APPLY
-
-
-def upstream_gain(vllm_config: Any) -> UpstreamGain | None:
-    """The 2% rule as planned for this engine, or None before it was (the
-    layers are still being built, or upstream's layout is not in question)."""
-    context = getattr(
-        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
-    )
-    for prefix in _state["upstream_swa_caches"]:
-        layer = (context or {}).get(prefix)
-        if layer is not None:
-            return getattr(layer, GAIN_MEMO, None)
-    return None
-
-
-def _decide(vllm_config: Any, consider_upstream: bool = True) -> Decision:
-    """The geometry for ``vllm_config``; ``consider_upstream=False``: the
-    fix's own candidate, as if upstream's layout did not work."""
-    if _state["planning_decision"] is not None:
-        return _state["planning_decision"]
-    # interleaved-split, an invalid value (warned about at plugin load) and none
-    # all leave the choice to the checks below
-    if settings.value(settings.DSV41_GEOMETRY) == PER_RATIO:
-        return Decision(PER_RATIO, f"{GEOMETRY_ENV}=per-ratio")
-    outgained = ""
-    if consider_upstream and settings.value(settings.DSV41_GEOMETRY) != SPLIT:
-        aside = upstream_steps_aside_reason(vllm_config)
-        if aside:
-            gain = upstream_gain(vllm_config)
-            if gain is None or not gain.applies:
-                return Decision(UPSTREAM, aside + (f"; {gain.note}" if gain else ""))
-            outgained = f"{gain.note}; "
-    candidate = _candidate(vllm_config)
-    return dataclasses.replace(candidate, reason=outgained + candidate.reason)
-
-
-def _candidate(vllm_config: Any) -> Decision:
-    if _state["split_unreviewed"]:
-        return Decision(PER_RATIO, _state["split_unreviewed"])
-    trigger = _config_triggers(vllm_config)
-    if trigger:
-        return Decision(PER_RATIO, trigger)
-    method = speculative_method(vllm_config)
-    if method == DSPARK:
-        misfit = _dspark_misfit(vllm_config)
-        if misfit:
-            return Decision(PER_RATIO, misfit)
-    unit, misfit = _ratio1_pair_unit(vllm_config)
-    if misfit:
-        return Decision(PER_RATIO, misfit)
-    return Decision(SPLIT, _SPLIT_DEFAULT + _speculative_note(method), unit)
-
-
-def upstream_steps_aside_reason(vllm_config: Any) -> str | None:
-    """Why the fix leaves this line to upstream's own layout, or None.
-
-    It steps aside where upstream's layout for the line starts and every page
-    of it is inside the installed kernels' own envelopes.  An envelope that
-    cannot be read is never "accepts", so the fix then keeps its layout.
-    Where it steps aside, :mod:`.gain` still plans both layouts once the
-    engine's layers exist, and the fix applies after all where its own holds
-    at least :data:`GAIN_TO_APPLY` times upstream's KV tokens."""
-    try:
-        layout = upstream.for_config(vllm_config)
-    except Exception:  # noqa: BLE001 - vLLM's backends unreadable here: keep the fix's layout
-        return None
-    if layout.works:
+def _speculative_note(engine: EngineConfig) -> str:
+    if engine.speculative_method == DSPARK:
         return (
-            f"not-needed: upstream's --block-size {layout.block_size} layout is within the "
-            "installed kernels' envelopes"
+            "; with DSpark: no drafter layer owns or reads a ratio-1 compressed or indexer "
+            "cache (read from the model config), so only the target's verify pass writes "
+            "ratio-1 pages, through kernel-table slots"
         )
-    return None
-
-
-def stepped_aside() -> bool:
-    """Whether this process decided to leave upstream's layout in place."""
-    return any(d.geometry == UPSTREAM for d in _state["decisions"].values())
-
-
-def geometry_decision(vllm_config: Any) -> tuple[str, str]:
-    """(geometry, reason) this fix uses for ``vllm_config`` on SM12x.
-
-    ``vllm_config`` is a ``VllmConfig`` or any object with the same attribute
-    names (``speculative_config``, ``kv_transfer_config``, ``cache_config``,
-    ``parallel_config``, ``attention_config``; missing ones count as unset), so
-    ``doctor`` can ask before a server starts.  Once the model's layers are
-    registered, the ratio-1 caches' real page sizes are checked too."""
-    if _state["split_unreviewed"] is None:
-        try:
-            _state["split_unreviewed"] = split_unreviewed() or ""
-        except Exception as exc:  # vLLM not importable here: say so, choose the fallback
-            _state["split_unreviewed"] = f"cannot read vLLM's sources here: {exc}"
-    decision = _decide(vllm_config)
-    return decision.geometry, decision.reason
-
-
-def _decision_for_specs(vllm_config: Any) -> Decision:
-    if _state["planning_decision"] is not None:  # a candidate planned: nothing recorded
-        return _state["planning_decision"]
-    decision = _decide(vllm_config)
-    if decision.geometry == SPLIT and not decision.unit:
-        decision = Decision(
-            PER_RATIO,
-            "the model's ratio-1 caches are not registered in the "
-            "forward context, so the interleave unit is unknown",
+    if engine.speculative_method in TOKEN_ONLY_METHODS:
+        return (
+            f"; with {engine.speculative_method}: drafts come from token ids, no drafter KV; only "
+            "the target's verify pass writes ratio-1 pages, through kernel-table slots"
         )
-    key = (decision.geometry, decision.reason)
-    if key not in _state["decisions"]:
-        _state["decisions"][key] = decision
-        _logger().info(
-            "vllm-mla-fixes (%s): DeepSeek-V4.1 KV geometry %s (%s)",
-            INFO.name,
-            decision.geometry,
-            decision.reason,
-        )
-    return decision
+    return ""
 
 
-def status_detail() -> str:
-    """What ``status`` adds to the applied reason: the geometry in force in
-    this process, or the rule when no model was loaded here."""
-    decided = list(_state["decisions"].values())
-    if decided:
-        planned = _state["drafter_rows"]
-        drafter = (
-            ""
-            if planned is None
-            else f"; drafter sliding-window pages: {planned[0]} rows ({planned[1]})"
-        )
-        return "; ".join(f"geometry {d.geometry} ({d.reason})" for d in decided) + drafter
-    if _state["split_unreviewed"]:
-        return f"geometry {PER_RATIO} ({_state['split_unreviewed']})"
-    return (
-        f"geometry chosen when the model loads: {UPSTREAM} (the fix steps aside) where "
-        "upstream's layout for the line starts and every page is inside the installed "
-        "kernels' own envelopes, unless the fix's layout, planned on the engine's layers, "
-        f"holds at least {GAIN_TO_APPLY:.2f}x its KV tokens; else {SPLIT} by default (also with DSpark "
-        "drafters that own or read no ratio-1 cache, ngram and suffix), "
-        f"{PER_RATIO} with EAGLE-style or other speculative methods, a KV connector other "
-        "than CPU offloading, DCP/PCP > 1, HiSparse, another KV record, ratio-1 caches that do not "
-        f"pair up, or {GEOMETRY_ENV}=per-ratio"
-    )
+# ------------------------------------------------------------ drafter pages
 
 
-@functools.cache
 def flashinfer_takes_runtime_swa_pages() -> bool:
     """Whether every installed kernel on the sliding-window cache takes
-    128-row pages, as its own envelope declares: FlashInfer's SM120 decode and
-    prefill take run-time page sizes from 0.7.2.post1 on; 0.7.0.post1
-    instantiates 64 rows only.  An unknown envelope keeps 64-row pages."""
+    128-row pages, as its own envelope declares (FlashInfer 0.7.2.post1 on;
+    0.7.0.post1 instantiates 64 rows only).  Unknown keeps 64-row pages."""
     return envelope.accepts_rows(envelope.SWA, DRAFTER_SWA_ROWS) is True
 
 
-def drafter_swa_rows() -> tuple[int, str]:
-    """Rows of a drafter's sliding-window pages before planning, and why; 128
-    is a candidate that :mod:`.drafter_pages` plans unless the setting forces it."""
-    forced = settings.value(settings.DSV41_DRAFTER_SWA_ROWS)
-    if forced == PAGE_ROWS:
-        return PAGE_ROWS, f"{DRAFTER_SWA_ENV}={PAGE_ROWS}"
+def _drafter_rows(
+    engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int
+) -> tuple[int, str]:
+    """Rows of a drafter's sliding-window pages under the fix, and why."""
+    if engine.model is None or not engine.model.drafter_layers:
+        return PAGE_ROWS, "no drafter layers"
+    if engine.forced_drafter_rows == PAGE_ROWS:
+        return PAGE_ROWS, f"{_drafter_env()}={PAGE_ROWS}"
     if not flashinfer_takes_runtime_swa_pages():
         return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"
-    if forced == DRAFTER_SWA_ROWS:
-        return DRAFTER_SWA_ROWS, f"{DRAFTER_SWA_ENV}={DRAFTER_SWA_ROWS}"
-    return DRAFTER_SWA_ROWS, (
-        "the installed FlashInfer takes run-time page sizes; kept where planning the "
-        "engine's drafter layers both ways finds that 128-row pages, all in one KV-cache "
-        "group, hold more KV tokens per GiB than 64-row pages, else 64"
+    if engine.forced_drafter_rows == DRAFTER_SWA_ROWS:
+        return DRAFTER_SWA_ROWS, f"{_drafter_env()}={DRAFTER_SWA_ROWS}"
+    if engine.max_model_len is None:
+        return PAGE_ROWS, "no max-model-len to plan the drafter's pages at"
+    try:
+        tokens = {
+            rows: _fix_tokens(engine, vllm_config, geometry, unit, rows)
+            for rows in (DRAFTER_SWA_ROWS, PAGE_ROWS)
+        }
+    except Exception as exc:  # noqa: BLE001 - keep the kernel page rows, say why
+        return PAGE_ROWS, f"{_failed('the drafter pages both ways', exc)}; kept at {PAGE_ROWS}"
+    chosen = max(tokens, key=lambda r: (tokens[r], r == PAGE_ROWS))  # a tie keeps 64
+    layers = engine.model.drafter_layers
+    return chosen, (
+        f"planned both with the model's {layers} drafter layer{'s' if layers > 1 else ''}: "
+        f"{DRAFTER_SWA_ROWS}-row pages hold {tokens[DRAFTER_SWA_ROWS]:,} KV tokens per GiB, "
+        f"{PAGE_ROWS}-row {tokens[PAGE_ROWS]:,}"
     )
+
+
+def _drafter_env() -> str:
+    from vllm_mla_fixes import settings
+
+    return settings.DSV41_DRAFTER_SWA_ROWS.name
+
+
+# ----------------------------------------------------------------- capacity
+
+
+def fix_specs(
+    engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int, drafter_rows: int
+) -> dict[str, Any]:
+    """Every cache's spec under the fix's ``geometry``, as its spec producers
+    hand them to vLLM's planner."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.specs import fixed_spec
+
+    assert engine.model is not None
+    model = engine.model
+    swa = {n: drafter_rows if model.is_drafter(n) else PAGE_ROWS for n in model.layers}
+    specs = model_specs.model_specs(
+        vllm_config, engine, engine.block_size or SPLIT_MANAGER_BLOCK, swa
+    )
+    owned = {
+        cache.name
+        for cache in model_specs.caches(model)
+        if cache.kind in (CacheKind.COMPRESSED, CacheKind.INDEXER)
+    }
+    return {
+        name: fixed_spec(spec, geometry, unit) if name in owned else spec
+        for name, spec in specs.items()
+    }
+
+
+def _fix_tokens(
+    engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int, drafter_rows: int
+) -> int:
+    assert engine.max_model_len is not None
+    specs = fix_specs(engine, vllm_config, geometry, unit, drafter_rows)
+    return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
+
+
+def upstream_tokens(engine: EngineConfig, vllm_config: Any, block_size: int) -> int:
+    """Upstream's KV tokens per GiB at ``block_size``, its sliding-window 32 rows."""
+    assert engine.max_model_len is not None
+    specs = model_specs.model_specs(vllm_config, engine, block_size, {})
+    return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
+
+
+def _failed(what: str, exc: Exception) -> str:
+    return f"planning {what} with vLLM's planner failed: {type(exc).__name__}: {exc}"

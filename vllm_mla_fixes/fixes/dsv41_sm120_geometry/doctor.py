@@ -1,11 +1,10 @@
 """Doctor: ``vllm-mla-fixes doctor``'s findings for this fix, including the
-geometry and capacity a serve line gets on SM12x (predicted in a fresh
-interpreter from vLLM's own parser)."""
+geometry and capacity a serve line gets on SM12x (the fix's own decision,
+taken in doctor's process on the config vLLM's own parser builds)."""
 
 from __future__ import annotations
 
-import os
-import sys
+from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     GAIN_TO_APPLY,
@@ -200,99 +199,69 @@ INDEXER_FP8_FLAG = '--attention-config \'{"indexer_kv_dtype": "fp8"}\''
 MOE_MARLIN_FLAG = "--moe-backend marlin"
 
 
-PREDICTION_MODULE = "vllm_mla_fixes.reproductions.dsv41_prediction"
-
-
-PREDICTION_TIMEOUT_S = 900
-
-
-def predicted_geometry(serve, fixed: bool = True) -> list:
-    """doctor's findings on what ``serve`` gets on SM12x, from a fresh
-    interpreter that runs the fix's own decision on the engine config vLLM's
-    parser builds from the line (works where no GPU is visible)."""
-    import json
-    import subprocess
-
-    from vllm_mla_fixes import children
+def predicted_geometry(serve: Any, fixed: bool = True) -> list[Any]:
+    """doctor's findings on what ``serve`` gets on SM12x: the fix's own
+    decision, in this process, on the engine config vLLM's parser builds from
+    the line and the model's config.json (works where no GPU is visible)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.prediction import predict
     from vllm_mla_fixes.report import Finding
+    from vllm_mla_fixes.serve_line import Rejected
 
-    name = INFO.name
-    command = [sys.executable, "-m", PREDICTION_MODULE]
-    if serve.model_config:
-        command += ["--model-config", json.dumps(serve.model_config)]
-    # Planning only: the GPU is not needed, and is not touched.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     try:
-        # In a process group of its own, ended with doctor (children.run).
-        done = children.run([*command, "--", *serve.raw], PREDICTION_TIMEOUT_S, env=env)
-        lines = done.stdout.strip().splitlines()
-        prediction = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
-    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-        done, prediction = None, None
-        failure = f"{type(exc).__name__}: {exc}"
-    if prediction is not None and "error" in prediction:
-        return [
-            Finding(
-                "error",
-                name,
-                f"vLLM rejects this serve line: {prediction['error']}",
-                "correct the line; `vllm serve` would stop with the same error",
-            )
-        ]
-    if prediction is None:
-        if done is not None:
-            tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
-            failure = tail[-1] if tail else f"exit status {done.returncode}"
+        prediction = predict(serve.raw, serve.model_config or None)
+    except Rejected as exc:  # already in vLLM's words
+        return [_rejected(str(exc))]
+    except (ValueError, AssertionError) as exc:  # vLLM's configs and planner refuse the line
+        first = " ".join(str(exc).strip().splitlines()[:2])
+        return [_rejected(f"{type(exc).__name__}: {first}")]
+    except Exception as exc:  # noqa: BLE001 - say what failed, never a traceback
         return [
             Finding(
                 "warn",
-                name,
-                f"could not predict this line's KV geometry on SM12x ({failure})",
-                f"run `python -m {PREDICTION_MODULE} -- <serve args>` to see the full error",
+                INFO.name,
+                f"could not predict this line's KV geometry on SM12x ({type(exc).__name__}: {exc})",
             )
         ]
-    return _prediction_findings(prediction, fixed)
+    return prediction_findings(prediction, fixed)
 
 
-def _prediction_findings(prediction: dict, fixed: bool = True) -> list:
+def _rejected(message: str) -> Any:
+    from vllm_mla_fixes.report import Finding
+
+    return Finding(
+        "error",
+        INFO.name,
+        f"vLLM rejects this serve line: {message}",
+        "correct the line; `vllm serve` would stop with the same error",
+    )
+
+
+def prediction_findings(prediction: Any, fixed: bool = True) -> list[Any]:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
-    settings = prediction["settings"]
-    findings = _upstream_findings(prediction["dsv41"], fixed)
-    if prediction["geometry"] != UPSTREAM:
+    decision = prediction.decision
+    findings = _upstream_findings(prediction, fixed)
+    if fixed and decision.applies:
         findings.append(
             Finding(
                 "info",
                 name,
-                f"on SM12x this line gets the {prediction['geometry']} geometry: "
-                f"{prediction['reason']} (the fix's own geometry_decision, on the engine config "
-                f"vLLM {prediction['vllm']}'s `vllm serve` parser builds from this line; "
-                f"{prediction['platform']})",
+                f"on SM12x this line gets the {decision.geometry.value} geometry: "
+                f"{decision.reason} (the fix's own decision, on the engine config "
+                f"vLLM {prediction.vllm}'s `vllm serve` parser builds from this line; "
+                f"{prediction.platform}; model figures {prediction.model_figures})",
             )
         )
-    figures = "; ".join(
-        f"max_model_len {c['max_model_len']}: {c['tokens_per_gib']:,} tokens = "
-        f"{c['tokens_per_gib'] / c['upstream_128']:.3f}x upstream --block-size 128 "
-        f"({c['upstream_128']:,}) and {c['tokens_per_gib'] / c['upstream_64']:.3f}x "
-        f"--block-size 64 ({c['upstream_64']:,})"
-        for c in prediction["capacity"]
-    )
-    findings.append(
-        Finding(
-            "info",
-            name,
-            f"KV capacity of that geometry per GiB per rank (vLLM's planner, DeepSeek-V4.1-Flash "
-            f"layout): {figures}",
-        )
-    )
-    if settings["kv_offloading_backend"] and settings["kv_offloading_size"] is None:
+    findings.append(Finding("info", name, _capacity_line(prediction, fixed)))
+    settings = prediction.settings
+    if settings.kv_offloading_backend and settings.kv_offloading_size is None:
         findings.append(
             Finding(
                 "info",
                 name,
-                f"--kv-offloading-backend {settings['kv_offloading_backend']} without "
-                f"--kv-offloading-size enables nothing in vLLM {prediction['vllm']} "
+                f"--kv-offloading-backend {settings.kv_offloading_backend} without "
+                f"--kv-offloading-size enables nothing in vLLM {prediction.vllm} "
                 "(offloading starts only with a size), so it is not offloading here",
             )
         )
@@ -300,108 +269,138 @@ def _prediction_findings(prediction: dict, fixed: bool = True) -> list:
     return findings
 
 
-def _upstream_findings(dsv41: dict, fixed: bool) -> list:
-    """What upstream's own layout does on SM12x for the line, from vLLM's
-    start-up and the installed kernels' own envelopes (the prediction's
-    ``dsv41`` object, which ``doctor --json`` prints as its own)."""
+def _capacity_line(prediction: Any, fixed: bool) -> str:
+    """The decision's capacity figures, each stated once."""
+    decision = prediction.decision
+    at = f"max_model_len {decision.max_model_len}"
+    parts = []
+    if decision.fix_tokens is not None and (fixed and decision.applies):
+        parts.append(f"the fix's {decision.geometry.value} layout {decision.fix_tokens:,}")
+    if decision.upstream_tokens is not None and decision.upstream is not None:
+        parts.append(
+            f"upstream's --block-size {decision.upstream.block_size} layout "
+            f"{decision.upstream_tokens:,}"
+        )
+    if prediction.best_working_upstream is not None:
+        size, tokens = prediction.best_working_upstream
+        parts.append(f"upstream's working --block-size {size} layout {tokens:,}")
+    if not parts:
+        return f"KV capacity not planned here: {'; '.join(decision.evidence) or 'no figures'}"
+    return (
+        f"KV tokens per GiB per rank at {at} (vLLM's planner on the model's layers): "
+        + "; ".join(parts)
+    )
+
+
+def _upstream_findings(prediction: Any, fixed: bool) -> list[Any]:
+    """What upstream's own layout does on SM12x for the line, from the
+    decision (which ``doctor --json`` prints as its ``dsv41`` object)."""
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
-    size = f"--block-size {dsv41['block_size']}"
-    versus = dsv41["vs_best_working_upstream"]
-    held = (
-        f"; the fix's layout would hold {versus:.3f}x its KV tokens at max_model_len "
-        f"{dsv41['at_max_model_len']}"
-        if versus is not None
-        else ""
-    )
-    if dsv41["upstream_works"] and dsv41["decision"] == UPSTREAM:
+    decision = prediction.decision
+    facts = prediction.report()
+    layout = decision.upstream
+    if layout is None:
+        return [Finding("warn", name, "; ".join(decision.evidence), facts=facts)]
+    size = f"--block-size {layout.block_size}"
+    if layout.works and not decision.applies:
         return [
             Finding(
                 "ok",
                 name,
                 f"upstream's {size} layout starts, and every page it hands a kernel is inside "
                 f"the installed kernels' own envelopes: the fix steps aside on this line "
-                f"(decision {UPSTREAM}; {dsv41['reason']})",
-                facts=dsv41,
+                f"(decision {UPSTREAM}; {decision.reason})",
+                facts=facts,
             )
         ]
-    if dsv41["upstream_works"]:
+    if layout.works:
         return [
             Finding(
                 "info",
                 name,
                 f"upstream's {size} layout starts, and every page it hands a kernel is inside "
-                f"the installed kernels' own envelopes, but the fix's {dsv41['decision']} "
+                f"the installed kernels' own envelopes, but the fix's {decision.geometry.value} "
                 f"geometry holds at least {GAIN_TO_APPLY:.2f}x its KV tokens for this line, so "
-                f"the fix applies ({dsv41['reason']})",
-                facts=dsv41,
+                + ("the fix applies" if fixed else "the fix would apply if it were enabled")
+                + f" ({decision.reason})",
+                facts=facts,
             )
         ]
-    if not dsv41["upstream_starts"]:
-        problem = f"does not start: {dsv41['upstream_start_error']}"
-    elif dsv41["upstream_rejected"]:
+    if not layout.starts:
+        problem = f"does not start: {layout.start_error}"
+    elif layout.rejected:
         problem = "starts, but " + "; ".join(
-            f"{r['kernel']} rejects the {r['cache']} pages of {r['rows']} rows"
-            for r in dsv41["upstream_rejected"]
+            f"{r.kernel} rejects the {r.cache} pages of {r.rows} rows" for r in layout.rejected
         )
     else:
-        problem = "cannot be judged: " + "; ".join(dsv41["unknown_envelopes"])
+        problem = "cannot be judged: " + "; ".join(layout.unknown)
     if fixed:
-        findings = [
-            Finding(
-                "info",
-                name,
-                f"upstream's {size} layout {problem}; the fix lays out its "
-                f"{dsv41['decision']} geometry instead{held}",
-                facts=dsv41,
-            )
-        ]
-        better = dsv41.get("best_working_upstream_block_size")
-        if versus is not None and versus < 1 and better:
-            findings.append(
-                Finding(
-                    "warn",
-                    name,
-                    f"upstream's own --block-size {better} layout works on this vLLM and holds "
-                    f"more KV tokens than the fix's layout for this line ({versus:.3f}x)",
-                    f"serve with --block-size {better}: the fix then steps aside",
-                )
-            )
-        return findings
+        return _fixed_findings(prediction, size, problem, facts)
     return [
         Finding(
             "error",
             name,
-            f"upstream's {size} layout {problem}",
-            "let the plugin apply the fix (see the fix's verdict below)",
-            facts=dsv41,
+            f"upstream's {size} layout {problem}, and the fix is not enabled here",
+            f"unset VLLM_MLA_FIXES or include {name} in it, then `vllm-mla-fixes status`",
+            facts=facts,
         )
     ]
 
 
-def _shape_findings(prediction: dict) -> list:
+def _fixed_findings(prediction: Any, size: str, problem: str, facts: dict[str, Any]) -> list[Any]:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
-    tp = prediction["settings"]["tensor_parallel_size"]
-    shapes = prediction["shapes"]
-    broken = [shape.get("error") for shape in shapes if "error" in shape]
-    if broken:
-        return [Finding("warn", name, f"per-rank FlashInfer shape not checked: {broken[0]}")]
+    findings = [
+        Finding(
+            "info",
+            name,
+            f"upstream's {size} layout {problem}; the fix lays out its "
+            f"{prediction.decision.geometry.value} geometry instead",
+            facts=facts,
+        )
+    ]
+    versus = prediction.vs_best_working_upstream
+    if versus is not None and versus < 1 and prediction.best_working_upstream is not None:
+        better = prediction.best_working_upstream[0]
+        findings.append(
+            Finding(
+                "warn",
+                name,
+                f"upstream's own --block-size {better} layout works on this vLLM and holds "
+                f"more KV tokens than the fix's layout for this line ({versus:.3f}x)",
+                f"serve with --block-size {better}: the fix then steps aside",
+            )
+        )
+    return findings
 
-    def described(shape: dict) -> str:
-        extra = f", extra page {shape['extra_page']}" if shape["extra_page"] else ""
+
+def _shape_findings(prediction: Any) -> list[Any]:
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    tp = prediction.settings.tensor_parallel_size
+    if prediction.shape_problem:
+        return [
+            Finding(
+                "warn", name, f"per-rank FlashInfer shape not checked: {prediction.shape_problem}"
+            )
+        ]
+
+    def described(shape: Any) -> str:
+        extra = f", extra page {shape.extra_page}" if shape.extra_page else ""
         return (
-            f"{shape['heads']} heads (TP {tp}), top-k {shape['topk']}, page {shape['page']}"
-            f"{extra} ({shape['role']})"
+            f"{shape.heads} heads (TP {tp}), top-k {shape.topk}, page {shape.page}"
+            f"{extra} ({shape.role})"
         )
 
-    version = shapes[0]["flashinfer"]
+    shapes = prediction.shapes
+    version = shapes[0].flashinfer if shapes else "?"
     findings = []
-    missing = [shape for shape in shapes if not shape["decode_kernel"]]
-    for shape in missing:
-        reported = f"; reported in {shape['reported']}" if shape["reported"] else ""
+    for shape in (s for s in shapes if not s.decode_kernel):
+        reported = f"; reported in {shape.reported}" if shape.reported else ""
         findings.append(
             Finding(
                 "error",
@@ -413,9 +412,9 @@ def _shape_findings(prediction: dict) -> list:
                 "takes any head count up to 128 and any top-k), or another --tensor-parallel-size",
             )
         )
-    accepted = [shape for shape in shapes if shape["decode_kernel"]]
+    accepted = [s for s in shapes if s.decode_kernel]
     if accepted:
-        reports = [f"{described(s)}: {s['reported']}" for s in accepted if s["reported"]]
+        reports = [f"{described(s)}: {s.reported}" for s in accepted if s.reported]
         findings.append(
             Finding(
                 "ok",

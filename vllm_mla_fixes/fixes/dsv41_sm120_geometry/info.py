@@ -6,6 +6,7 @@ how, when to remove) is the package docstring."""
 from __future__ import annotations
 
 from vllm_mla_fixes import patching, settings
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import Geometry
 from vllm_mla_fixes.patching import FixInfo
 
 INFO = FixInfo(
@@ -88,12 +89,8 @@ V4_RECORD_BYTES = 584  # the fp8_ds_mla V4 record SM120 uses (the split was prov
 FP8_INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
 
 
-SPLIT, PER_RATIO = settings.GEOMETRIES  # the names the operator's setting takes
-
-
-UPSTREAM = "upstream"
-"""The fix steps aside: upstream's own layout for the line is within the installed
-kernels' envelopes (see :mod:`.upstream`)."""
+SPLIT, PER_RATIO, UPSTREAM = Geometry.SPLIT, Geometry.PER_RATIO, Geometry.UPSTREAM
+assert (SPLIT.value, PER_RATIO.value) == settings.GEOMETRIES  # the names the setting takes
 GAIN_TO_APPLY = 1.02
 """Where upstream's layout works, a layout nobody has run on hardware must hold
 at least this much more KV to be worth it (issue 25's 2% rule)."""

@@ -1,24 +1,27 @@
-"""Candidate layouts planned with vLLM's own planner on the engine's real layers.
+"""KV tokens per GiB of a layout, by vLLM's own planner, on the full model.
 
-Two choices are taken once the model's layers exist, at the first spec vLLM
-asks of a DeepSeek-V4.1 cache: whether the fix's layout holds enough more KV
-than upstream's working one to apply (:mod:`.gain`), and how many rows a
-DSpark drafter's sliding-window pages hold (:mod:`.drafter_pages`).  Both
-plan each candidate the way the engine will: vLLM's spec collection over
-every layer, its grouping, its KV-cache config and its capacity function, at
-the engine's max-model-len.  The sliding-window caches read ``block_size`` at
-run time, so a candidate's page rows are set on them for the pass only.
+The decision compares candidate layouts (upstream's against the fix's, a
+drafter's 64- against 128-row pages) as the engine core will plan them:
+vLLM's grouping (``get_kv_cache_groups``), its KV-cache config
+(``get_kv_cache_config_from_groups``) and its capacity
+(``get_kv_cache_capacity``), at the engine's max-model-len, on every cache of
+the full model (:mod:`.model_specs`) -- never on the layers one pipeline rank
+holds.  It plans on a shallow copy of the engine config, so the engine's own
+is never changed: the copy's cache config has no block-count override (with
+one, every candidate gets the same block count) and the KV-cache layout vLLM
+resolves for the full model's backends where the engine has none yet.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import copy
+from collections.abc import Mapping
 from typing import Any
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import _state
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import model_specs
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig
 
-PLANNED_MEMORY = 1 << 30  # the capacity is compared per GiB, as the benchmark reports it
+PLANNED_MEMORY = 1 << 30  # compared per GiB, as the capacity benchmark reports it
 
 
 def _planner() -> Any:
@@ -31,81 +34,39 @@ def _planner() -> Any:
     return planner
 
 
-@contextlib.contextmanager
-def _rows_meanwhile(rows: dict[Any, int]) -> Iterator[None]:
-    saved = {cache: cache.block_size for cache in rows}
-    for cache, count in rows.items():
-        cache.block_size = count
-    try:
-        yield
-    finally:
-        for cache, size in saved.items():
-            cache.block_size = size
+def _planning_config(
+    vllm_config: Any, engine: EngineConfig, specs: Mapping[str, Any], max_model_len: int
+) -> Any:
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
 
-
-@contextlib.contextmanager
-def _planning(decision: Any) -> Iterator[None]:
-    """A planning pass: the spec producers lay out ``decision`` (None: the
-    engine's own) and record, log and plan nothing themselves."""
-    _state["planning"] = True
-    _state["planning_decision"] = decision
-    try:
-        yield
-    finally:
-        _state["planning"] = False
-        _state["planning_decision"] = None
-
-
-@contextlib.contextmanager
-def _layout_resolved(vllm_config: Any, specs: dict[str, Any]) -> Iterator[None]:
-    """The KV-cache layout the engine core will resolve, set meanwhile where
-    it is not yet (a worker produces its specs before the engine core
-    resolves it; the planner asks for it), by vLLM's own resolution."""
-    cache_config = vllm_config.cache_config
-    saved = cache_config.kv_cache_layout
-    if saved is None:
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-        from vllm.v1.attention.backends.utils import (
-            get_supported_kv_cache_layouts,
-            resolve_kv_cache_layout,
-        )
-
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase).values()
-        backends = sorted({layer.get_attn_backend() for layer in layers}, key=str)
+    config = copy.copy(vllm_config)
+    cache_config = copy.copy(vllm_config.cache_config)
+    cache_config.num_gpu_blocks_override = None
+    object.__setattr__(config, "cache_config", cache_config)
+    model_config = copy.copy(vllm_config.model_config)  # the planner changes max_model_len
+    model_config.max_model_len = max_model_len
+    object.__setattr__(config, "model_config", model_config)
+    if cache_config.kv_cache_layout is None:
+        backends = model_specs.backends(vllm_config, engine)
         supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
-        resolved = resolve_kv_cache_layout(vllm_config, [supported], specs.values())
-        cache_config.kv_cache_layout = resolved.name
-    try:
-        yield
-    finally:
-        cache_config.kv_cache_layout = saved
+        cache_config.kv_cache_layout = resolve_kv_cache_layout(
+            config, [supported], specs.values()
+        ).name
+    return config
 
 
-def planned_tokens(vllm_config: Any, rows: dict[Any, int], decision: Any = None) -> int:
-    """KV tokens per GiB at the engine's max-model-len with each cache of
-    ``rows`` at its page rows and the spec producers laying out ``decision``
-    (None: the engine's own), by vLLM's own planning of every layer."""
+def planned_tokens(
+    vllm_config: Any, engine: EngineConfig, specs: Mapping[str, Any], max_model_len: int
+) -> int:
+    """KV tokens per GiB of the layout ``specs`` (every cache of the model)
+    at ``max_model_len``, as vLLM's planner reports its capacity."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     planner = _planner()
-    with _rows_meanwhile(rows), _planning(decision):
-        specs = get_kv_cache_spec(vllm_config)
-    with _layout_resolved(vllm_config, specs), _memory_decides_blocks(vllm_config):
-        groups = planner.get_kv_cache_groups(vllm_config, specs)
-        config = planner.get_kv_cache_config_from_groups(vllm_config, groups, PLANNED_MEMORY)
-        return int(get_kv_cache_capacity(vllm_config, config)[0])
-
-
-@contextlib.contextmanager
-def _memory_decides_blocks(vllm_config: Any) -> Iterator[None]:
-    """``--num-gpu-blocks-override`` unset meanwhile: with it the planner
-    gives every candidate the same block count, whatever a GiB holds."""
-    cache_config = vllm_config.cache_config
-    saved = cache_config.num_gpu_blocks_override
-    cache_config.num_gpu_blocks_override = None
-    try:
-        yield
-    finally:
-        cache_config.num_gpu_blocks_override = saved
+    config = _planning_config(vllm_config, engine, specs, max_model_len)
+    groups = planner.get_kv_cache_groups(config, dict(specs))
+    kv_config = planner.get_kv_cache_config_from_groups(config, groups, PLANNED_MEMORY)
+    return int(get_kv_cache_capacity(config, kv_config)[0])

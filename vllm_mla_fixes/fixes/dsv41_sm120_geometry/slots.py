@@ -10,18 +10,16 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import interleaved_placement
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     INFO,
     PageGeometryError,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import (
-    _interleaved_placement,
-)
 
-_SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
+_SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def _slot_buffers(builder: Any) -> tuple:
+def slot_buffers(builder: Any) -> tuple[Any, Any]:
     """Persistent (slots, block index) buffers of one metadata builder, sized
     for the scheduler's token budget: allocated once (when the views are
     bound, or on a builder's first build), reused every step."""
@@ -47,7 +45,7 @@ def kernel_slots(group: Any, slot_mapping: Any, ubatch_idx: int = 0) -> Any:
     Three elementwise ops into the builder's persistent buffers per step."""
     import torch
 
-    slots, blocks = _slot_buffers(group.get_metadata_builder(ubatch_idx))
+    slots, blocks = slot_buffers(group.get_metadata_builder(ubatch_idx))
     n = slot_mapping.shape[0]
     if slot_mapping.dim() != 1 or n > slots.shape[0]:
         raise PageGeometryError(
@@ -62,11 +60,11 @@ def kernel_slots(group: Any, slot_mapping: Any, ubatch_idx: int = 0) -> Any:
     return torch.add(slot_mapping, block, alpha=shift, out=slots[:n])
 
 
-def _with_kernel_slots(original: Callable) -> Callable:
+def with_kernel_slots(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def _with_kernel_block_table(self, common_attn_metadata, ubatch_idx=0):
+    def _with_kernel_block_table(self: Any, common_attn_metadata: Any, ubatch_idx: int = 0) -> Any:
         metadata = original(self, common_attn_metadata, ubatch_idx)
-        if _interleaved_placement(self) is None:
+        if interleaved_placement(self) is None:
             return metadata
         return dataclasses.replace(
             metadata, slot_mapping=kernel_slots(self, metadata.slot_mapping, ubatch_idx)

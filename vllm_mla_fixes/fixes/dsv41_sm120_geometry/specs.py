@@ -1,6 +1,8 @@
 """Spec producers: the KV-cache specs the DeepSeek-V4.1 layers hand vLLM's
-planner under the chosen geometry, the backends' per-spec kernel block sizes,
-the sliding-window cache's page rows, and the warm-up keys of 64-state pages."""
+planner under their engine's decision, the backends' per-spec kernel block
+sizes, the sliding-window cache's page rows, and the warm-up keys of
+64-state pages.  Each asks :data:`~.fix_state.STATE` for the decision of the
+engine whose config it is given (or, while layers are built, the current one)."""
 
 from __future__ import annotations
 
@@ -10,31 +12,16 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
-    _decide,
-    _decision_for_specs,
-    drafter_swa_rows,
-    stepped_aside,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.drafter_pages import (
-    past_backbone,
-    with_planned_rows,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gain import settle, with_settling
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import model_specs
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import engine_config, on_sm12x
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
-    DRAFTER_SWA_ROWS,
-    INFO,
     PAGE_ROWS,
-    SPLIT,
     SPLIT_MANAGER_BLOCK,
-    UPSTREAM,
     UPSTREAM_SWA_BLOCK,
     PageGeometryError,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import (
-    _ORIGINAL_PRODUCERS,
-    _state,
-)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import CacheKind, Geometry
 
 
 def per_ratio_spec(spec: Any) -> Any:
@@ -67,94 +54,119 @@ def split_spec(spec: Any, unit: int) -> Any:
     return dataclasses.replace(spec, **changes)
 
 
-def _wrap_spec_producer(cls: type) -> Callable:
+def fixed_spec(spec: Any, geometry: Geometry, unit: int) -> Any:
+    """A compressed-KV or indexer-K spec as the fix lays it out under ``geometry``."""
+    if geometry is Geometry.SPLIT:
+        return split_spec(spec, unit)
+    if geometry is Geometry.PER_RATIO:
+        return per_ratio_spec(spec)
+    return spec
+
+
+def wrap_spec_producer(cls: type) -> Callable[..., Any]:
+    """``cls.get_kv_cache_spec`` laying out its engine's decision."""
     original = cls.__dict__["get_kv_cache_spec"]
-    _ORIGINAL_PRODUCERS[cls] = original
 
     @functools.wraps(original)
-    def get_kv_cache_spec(self, vllm_config):
+    def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
         spec = original(self, vllm_config)
         if spec is None:
             return None
-        settle(vllm_config)
-        decision = _decision_for_specs(vllm_config)
-        if decision.geometry == UPSTREAM:
+        decision = STATE.decision_for(vllm_config)
+        _compare_with_description(self, spec, vllm_config)
+        if decision.geometry is Geometry.UPSTREAM:
             return spec
-        states = spec.tokens_per_state
-        if not _state["planning"] and isinstance(states, int) and states > 1:
-            _state["owned_ratios"].add(states)
-        if decision.geometry == SPLIT:
-            return split_spec(spec, decision.unit)
-        return per_ratio_spec(spec)
+        fixed = fixed_spec(spec, decision.geometry, decision.unit)
+        STATE.page_rows[self] = PAGE_ROWS
+        if decision.geometry is Geometry.SPLIT and spec.tokens_per_state == 1:
+            STATE.split_layers.add(self)
+        return fixed
 
-    get_kv_cache_spec.__wrapped_by__ = INFO.name  # type: ignore[attr-defined]
     return get_kv_cache_spec
 
 
-def _per_spec_kernel_block_sizes(original: Callable) -> staticmethod:
-    def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        if kv_cache_spec is None or stepped_aside():
-            # Platform-level block-size choice (no cache in view), or upstream's
-            # own layout in force: upstream's answer.
-            return original(kv_cache_spec)
+def _compare_with_description(layer: Any, spec: Any, vllm_config: Any) -> None:
+    """Name a live spec that differs from the one the decision planned with."""
+    number = _layer_number(getattr(layer, "prefix", None))
+    if number is None:
+        return
+    kind = CacheKind.COMPRESSED if hasattr(layer, "is_kv_source") else CacheKind.INDEXER
+    engine = engine_config(vllm_config)
+    try:
+        found = model_specs.mismatch(vllm_config, engine, number, kind, spec)
+    except Exception as exc:  # noqa: BLE001 - the comparison itself failed: say so, change nothing
+        found = f"layer {number} {kind.value}: could not be described ({type(exc).__name__}: {exc})"
+    if found:
+        STATE.note_mismatch(engine, found)
+
+
+def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod:
+    """The backend's kernel block sizes for a spec, a function of the spec
+    and the device alone (vLLM asks with no engine config in view): on SM12x,
+    64-state pages wherever the spec's block holds whole 64-state pages --
+    every layout the fix lays out, and upstream's own where it works there
+    (0.34.0's --block-size 64, which gets upstream's very answer) -- else
+    upstream's own answer, as on every other device and with no spec."""
+
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> Any:
         states = getattr(kv_cache_spec, "tokens_per_state", None)
-        if isinstance(states, int) and states >= 1:
-            return [PAGE_ROWS * states]
-        return original(kv_cache_spec)
+        if not isinstance(states, int) or states < 1 or not on_sm12x():
+            return original(kv_cache_spec)
+        if kv_cache_spec.block_size % (PAGE_ROWS * states):
+            return original(kv_cache_spec)
+        return [PAGE_ROWS * states]
 
     get_supported_kernel_block_sizes.__wrapped__ = original  # type: ignore[attr-defined]
     return staticmethod(get_supported_kernel_block_sizes)
 
 
-def swa_page_rows(prefix: Any) -> int:
-    """Sliding-window page rows for the cache built under ``prefix``:
-    upstream's where its layout is in force; else 128 for a drafter layer's
-    (numbered past the backbone) where FlashInfer takes run-time page sizes,
-    and 64."""
-    from vllm.config import get_current_vllm_config
+def _layer_number(prefix: Any) -> int | None:
+    """``N`` of a ``...layers.N.<module>`` prefix, by vLLM's own parser, or None."""
+    from vllm.model_executor.models.utils import extract_layer_index
 
-    config = get_current_vllm_config()
-    if _decide(config).geometry == UPSTREAM:
-        return UPSTREAM_SWA_BLOCK
-    if past_backbone(prefix, config):
-        return drafter_swa_rows()[0]
-    return PAGE_ROWS
+    try:
+        return int(extract_layer_index(str(prefix)))
+    except (AssertionError, IndexError, ValueError):
+        return None
 
 
-def _swa_cache_with_kernel_pages(cache_class: type) -> Callable:
+def swa_cache_with_decided_rows(cache_class: type) -> Callable[..., Any]:
     """Stands in for the class name inside ``deepseek_v41.attention`` only, so
-    DeepSeek-V4.0 (which shares the class) is not touched."""
+    DeepSeek-V4.0 (which shares the class) is not touched: each cache gets
+    its engine's sliding-window rows (upstream's 32 where the fix steps aside)."""
 
-    def build_swa_cache(*args, **kwargs):
+    def build_swa_cache(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("block_size") != UPSTREAM_SWA_BLOCK:
             return cache_class(*args, **kwargs)
-        prefix = kwargs.get("prefix")
-        kwargs["block_size"] = swa_page_rows(prefix)
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        decision = STATE.decision_for(config)
+        layer = _layer_number(kwargs.get("prefix"))
+        rows = decision.backbone_swa_rows
+        if layer is not None:
+            rows = decision.swa_rows(layer, engine_config(config).model)
+        kwargs["block_size"] = rows
         cache = cache_class(*args, **kwargs)
-        if kwargs["block_size"] == DRAFTER_SWA_ROWS:
-            _state["drafter_swa_caches"].add(prefix)
-            with_planned_rows(cache)
-        elif kwargs["block_size"] == UPSTREAM_SWA_BLOCK:
-            _state["upstream_swa_caches"].add(prefix)
-            with_settling(cache)
+        if decision.applies:
+            STATE.page_rows[cache] = rows
         return cache
 
     build_swa_cache.__wrapped__ = cache_class  # type: ignore[attr-defined]
     return build_swa_cache
 
 
-def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
+def warmup_keys_with_64_state_pages(original: Callable[..., Any]) -> Callable[..., Any]:
     """Also warm the compressed-slot-mapping kernel for the block size it
     really sees (the states per page, 64), not ``--block-size // ratio`` --
-    for the compress ratios of the DeepSeek-V4.1 caches the fix made in this
-    process (a worker builds its specs before it warms up) and no other, so
-    another model's compressed cache (GLM's kpool of ratio 32) keeps
-    upstream's keys."""
+    for the compress ratios of the DeepSeek-V4.1 caches the engine's decision
+    lays out and no other, so another model's compressed cache (GLM's kpool
+    of ratio 32) keeps upstream's keys."""
 
     @functools.wraps(original)
-    def get_warmup_keys(self, vllm_config):
+    def get_warmup_keys(self: Any, vllm_config: Any) -> list[Any]:
         keys = list(original(self, vllm_config))
-        owned = _state["owned_ratios"]
+        owned = _owned_ratios(vllm_config)
         extra = [
             self.dispatch(
                 compress_ratio=key.compress_ratio,
@@ -168,3 +180,11 @@ def _warmup_keys_with_64_state_pages(original: Callable) -> Callable:
         return list(dict.fromkeys([*keys, *extra]))
 
     return get_warmup_keys
+
+
+def _owned_ratios(vllm_config: Any) -> tuple[int, ...]:
+    """Compress ratios > 1 of the caches the engine's decision lays out."""
+    engine = engine_config(vllm_config)
+    if engine.model is None or not STATE.decision_for(vllm_config).applies:
+        return ()
+    return tuple(r for r in engine.model.owned_ratios if r > 1)

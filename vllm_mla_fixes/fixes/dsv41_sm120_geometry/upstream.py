@@ -25,10 +25,11 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     INDEXER_MODULE,
     UPSTREAM_SWA_BLOCK,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import CacheKind
 
-SWA = "sliding-window KV"
-COMPRESSED = "compressed KV"
-INDEXER = "indexer K"
+SWA = CacheKind.SLIDING_WINDOW
+COMPRESSED = CacheKind.COMPRESSED
+INDEXER = CacheKind.INDEXER
 ENVELOPE_CACHE = {SWA: envelope.SWA, COMPRESSED: envelope.COMPRESSED, INDEXER: envelope.INDEXER}
 NOT_ON_SM12X = frozenset({envelope.DEEPGEMM_LOGITS_FP4})
 """Kernels no SM12x line reaches: SM120 refuses the MXFP4 indexer cache at start-up."""
@@ -63,8 +64,8 @@ class UpstreamLayout:
         return None if self.unknown else True
 
 
-def _cache_name(kind: str, ratio: int) -> str:
-    return kind if kind == SWA else f"{kind}, compress ratio {ratio}"
+def _cache_name(kind: CacheKind, ratio: int) -> str:
+    return kind.value if kind is SWA else f"{kind.value}, compress ratio {ratio}"
 
 
 def declared_kernel_blocks() -> dict[str, list[int]]:
@@ -118,7 +119,7 @@ def upstream_layout(
     )
 
 
-def kernels_on(kind: str) -> list[envelope.KernelEnvelope]:
+def kernels_on(kind: CacheKind) -> list[envelope.KernelEnvelope]:
     """The envelopes of the kernels an SM12x line runs on a cache of ``kind``."""
     return [
         e
@@ -128,7 +129,7 @@ def kernels_on(kind: str) -> list[envelope.KernelEnvelope]:
 
 
 def page_verdicts(
-    pages: list[tuple[str, int, int]],
+    pages: list[tuple[CacheKind, int, int]],
 ) -> tuple[tuple[Rejection, ...], tuple[str, ...]]:
     """(each (cache, rows) a kernel rejects, with the kernel; the envelopes that
     could not be read) for pages given as (kind, compress ratio, rows)."""

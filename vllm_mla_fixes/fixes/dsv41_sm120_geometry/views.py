@@ -10,6 +10,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import (
+    STATE,
+    InterleavedPlacement,
+    PairRegion,
+    interleaved_placement,
+    is_split_ratio1,
+    view_key,
+)
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     FLASHINFER_BACKEND,
     GEOMETRY_ENV,
@@ -17,16 +25,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     PAGE_ROWS,
     PageGeometryError,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import (
-    _slot_buffers,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.state import (
-    _INTERLEAVED,
-    _PAIR_REGIONS,
-    _interleaved_placement,
-    _is_split_ratio1,
-    _view_key,
-)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import slot_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,22 +122,24 @@ def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str
         )
         pair_start = cache.start - cache.lead
         for view in (manager, views[cache.layer]):
-            _PAIR_REGIONS[_view_key(view)] = (pair_start, 2 * unit, stride_pages * unit)
+            STATE.pair_regions[view_key(view)] = PairRegion(
+                pair_start, 2 * unit, stride_pages * unit
+            )
     leads = {cache.layer: cache.lead for cache in plan}
     for group in groups:
         group.kernel_block_stride = stride_pages
         lead = next(leads[name] for name in group.layer_names if name in leads)
-        _INTERLEAVED[(group.backend, group.kv_cache_spec)] = (unit, lead)
+        STATE.interleaved[(group.backend, group.kv_cache_spec)] = InterleavedPlacement(unit, lead)
         for builder in group.metadata_builders:
-            _slot_buffers(builder)
+            slot_buffers(builder)
     return views
 
 
-def _with_interleaved_ratio1_views(original: Callable) -> Callable:
+def with_interleaved_ratio1_views(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def map_kv_caches_to_kernel_blocks(kv_caches, attn_groups):
+    def map_kv_caches_to_kernel_blocks(kv_caches: dict[str, Any], attn_groups: Any) -> Any:
         attn_groups = list(attn_groups)
-        split = [group for group in attn_groups if _is_split_ratio1(group)]
+        split = [group for group in attn_groups if is_split_ratio1(group)]
         rest = [group for group in attn_groups if not any(group is s for s in split)]
         mapped = original(kv_caches, rest)
         present = [group for group in split if any(n in kv_caches for n in group.layer_names)]
@@ -149,7 +150,7 @@ def _with_interleaved_ratio1_views(original: Callable) -> Callable:
     return map_kv_caches_to_kernel_blocks
 
 
-def _with_pair_manager_view(original: Callable) -> Callable:
+def with_pair_manager_view(original: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM views a split group's bound cache as manager blocks to zero newly
     allocated blocks (``KVBlockZeroer``), assuming a block's kernel pages are
     contiguous.  For an interleaved cache the view is the whole pair region of
@@ -157,13 +158,13 @@ def _with_pair_manager_view(original: Callable) -> Callable:
     clears exactly the ratio-1 pages it holds."""
 
     @functools.wraps(original)
-    def map_kv_cache_to_manager_blocks(self, kv_cache, num_blocks):
-        placement = _interleaved_placement(self)
+    def map_kv_cache_to_manager_blocks(self: Any, kv_cache: Any, num_blocks: int) -> Any:
+        placement = interleaved_placement(self)
         if placement is None:
             return original(self, kv_cache, num_blocks)
         import torch
 
-        unit, lead = placement
+        unit, lead = placement.unit, placement.lead
         size = kv_cache.element_size()
         pair = 2 * unit // size
         return torch.as_strided(
@@ -176,7 +177,7 @@ def _with_pair_manager_view(original: Callable) -> Callable:
     return map_kv_cache_to_manager_blocks
 
 
-def _with_pair_region_copies(original: Callable) -> Callable:
+def with_pair_region_copies(original: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM copies a block for a partial prefix-cache hit through the whole
     allocation when the allocation is exactly ``num_blocks`` blocks, and
     otherwise through each cache's own view (an extensible or padded
@@ -188,8 +189,10 @@ def _with_pair_region_copies(original: Callable) -> Callable:
     which vLLM copies once."""
 
     @functools.wraps(original)
-    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, kv_cache_block_copies):
-        if _PAIR_REGIONS and kv_cache_block_copies:
+    def copy_kv_cache_blocks_inplace(
+        kv_caches: Any, num_blocks: int, kv_cache_block_copies: Any
+    ) -> Any:
+        if STATE.pair_regions and kv_cache_block_copies:
             kv_caches = [_pair_region_view(cache, num_blocks) for cache in kv_caches]
         return original(kv_caches, num_blocks, kv_cache_block_copies)
 
@@ -197,12 +200,12 @@ def _with_pair_region_copies(original: Callable) -> Callable:
 
 
 def _pair_region_view(cache: Any, num_blocks: int) -> Any:
-    placement = _PAIR_REGIONS.get(_view_key(cache))
+    placement = STATE.pair_regions.get(view_key(cache))
     if placement is None:
         return cache
     import torch
 
-    start, pair, block_stride = placement
+    start, pair, block_stride = placement.start, placement.size, placement.block_stride
     size = cache.element_size()
     return torch.as_strided(
         cache, (num_blocks, pair // size), (block_stride // size, 1), start // size

@@ -70,7 +70,14 @@ from .model import (
     unknown_envelope,
 )
 from .statements import Disagreement, Statement, disagreements, vllm_statements
-from .table import accepts_rows, envelopes_for_cache, kernel_envelopes, rejecting_kernels
+from .table import (
+    accepts_rows,
+    content_key,
+    declaration_files,
+    envelopes_for_cache,
+    kernel_envelopes,
+    rejecting_kernels,
+)
 
 
 def report() -> dict[str, Any]:
@@ -123,6 +130,8 @@ __all__ = [
     "Unreadable",
     "Values",
     "accepts_rows",
+    "content_key",
+    "declaration_files",
     "deep_gemm_dir",
     "disagreements",
     "envelopes_for_cache",

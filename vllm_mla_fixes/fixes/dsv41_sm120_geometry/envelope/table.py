@@ -4,6 +4,8 @@ installed build declares it accepts, and the questions the fix asks of it."""
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 from . import installed
 from .deep_gemm import deep_gemm_envelopes
@@ -43,3 +45,31 @@ def accepts_rows(cache: str, rows: int) -> bool | None:
 def rejecting_kernels(cache: str, rows: int) -> list[KernelEnvelope]:
     """The kernels on ``cache`` whose declaration rejects ``rows``-row pages."""
     return [e for e in envelopes_for_cache(cache) if e.accepts_rows(rows) is False]
+
+
+def declaration_files() -> list[Path]:
+    """Every installed file whose declarations the envelopes were read from
+    (a declaration names its file from its top-level package's folder)."""
+    found = set()
+    for name in {s.path for e in kernel_envelopes().values() for s in e.sources}:
+        package = installed.package_dir(name.split("/", 1)[0])
+        found.add(Path(name) if package is None else package.parent / name)
+    return sorted(found)
+
+
+def content_key() -> str:
+    """sha256 of what the envelopes read: each declaration file's name and
+    bytes, and the text of every declaration that could not be read.  A
+    FlashInfer or DeepGEMM rebuilt under the same version string (other
+    top-k instantiations, other page sizes) is a different key."""
+    digest = hashlib.sha256()
+    for path in declaration_files():
+        digest.update(path.as_posix().encode() + b"\0")
+        try:
+            digest.update(path.read_bytes())
+        except OSError as exc:
+            digest.update(f"<unreadable: {exc}>".encode())
+        digest.update(b"\0")
+    for envelope in kernel_envelopes().values():
+        digest.update(f"{envelope.kernel}: {envelope.unknown}".encode() + b"\0")
+    return digest.hexdigest()
