@@ -93,7 +93,7 @@ def supervised() -> Iterator[None]:
         finally:
             end_all()
         return
-    previous = {signum: signal.getsignal(signum) for signum in STOPPING_SIGNALS}
+    previous = {int(signum): signal.getsignal(signum) for signum in STOPPING_SIGNALS}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         end_all()
@@ -109,8 +109,8 @@ def supervised() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         end_all()
 
 

@@ -10,11 +10,15 @@ release's own code):
    decoder replay the kept rows' metadata on copies of the groups.
 2. The writers write random latents with the slot mappings the metadata gives
    them (each write is attributed: bytes it changed outside its cache's own
-   pages in the batch's blocks are foreign).
+   pages in the batch's blocks are foreign); the records each write left are
+   read back at the slots it was given, kept, and compared with a dense
+   PyTorch computation on the un-paged latents, element by element
+   (:mod:`.records`).
 3. The readers read (:mod:`.kernels`): every layer's attention for every row
    of the step through ``_forward_decode`` / ``_forward_prefill``; the
-   indexer's decode logits and top-k, and its prefill K gather.  Each read is
-   compared with a dense PyTorch computation on the un-paged latents.
+   indexer's decode logits and top-k, and its prefill K gather.  The bytes
+   each kernel reads must be the kept records of the tokens it should read;
+   each read is then compared with the same computation on those records.
 
 At the end, bytes that differ from the sentinel outside every cache's pages
 are counted (stray bytes), and each case of :data:`.timeline.CASES` gets a

@@ -10,6 +10,13 @@ writes the kernel it is in into a buffer it shares with the parent).  One
 still running after its time limit (a kernel that never returns) is stopped
 and reported hung in the kernel it was in, so the others' verdicts still come.
 
+The same machinery (:func:`run_jobs`) runs the kernel timing on a GPU in a
+process of its own, after the geometries (:func:`run_timing`).  Each process
+leads a process group of its own (:mod:`vllm_mla_fixes.children`): it is
+ended whole, with anything it started (a JIT build's compilers), once it has
+reported, when it hangs, and when the self-test is stopped or dies; every wait
+for it has a time limit.
+
 On a GPU the processes keep the GPU: the CPU environment
 (:func:`.env.prepare_process_env`) is set only where the device is the CPU.
 """

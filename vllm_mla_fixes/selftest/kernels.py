@@ -304,7 +304,7 @@ class Kernels:
         ``indices`` the metadata builder made (tests/test_selftest_kernel_calls.py
         compares this call with vLLM's own, per release and arch)."""
         if not self.is_real(INDEXER_LOGITS):
-            return self._launch(  # type: ignore[return-value]
+            return self._launch(
                 paged_mqa_logits_stand_in,
                 q_fp8,
                 kv_view,
@@ -332,7 +332,7 @@ class Kernels:
             extra["logits_dtype"] = logits_dtype
         if indices is not None:
             extra["indices"] = indices
-        return self._launch(  # type: ignore[return-value]
+        return self._launch(
             func,
             (q_fp8, q_scale),
             kv_view,

@@ -240,39 +240,7 @@ class Report:
         ]
         if self.cannot_run is not None:
             return "\n".join([*lines, f"cannot run: {self.cannot_run}"])
-        table = [
-            (
-                "geometry",
-                "kernel",
-                "source",
-                "n",
-                "max error",
-                "foreign B",
-                "bound",
-                "error/bound",
-                "verdict",
-            )
-        ]
-        for result in self.results:
-            for row in rows_of(result, self.kernels):
-                table.append(
-                    (
-                        row.geometry,
-                        row.kernel,
-                        row.source,
-                        str(row.compared),
-                        "-" if row.max_error is None else f"{row.max_error:.2e}",
-                        "-" if row.foreign_bytes is None else str(row.foreign_bytes),
-                        f"{row.bound_value:.3g}",
-                        f"{row.margin:.2f}",
-                        row.verdict,
-                    )
-                )
-        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-        for i, cells in enumerate(table):
-            lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(cells)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines += self.table_lines()
         lines.append("")
         for result in self.results:
             verdict = geometry_verdict(result)
@@ -337,6 +305,44 @@ class Report:
         working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
         lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
+
+    def table_lines(self) -> list[str]:
+        """One row per geometry and kernel, columns aligned."""
+        table = [
+            (
+                "geometry",
+                "kernel",
+                "source",
+                "n",
+                "max error",
+                "foreign B",
+                "bound",
+                "error/bound",
+                "verdict",
+            )
+        ]
+        for result in self.results:
+            for row in rows_of(result, self.kernels):
+                table.append(
+                    (
+                        row.geometry,
+                        row.kernel,
+                        row.source,
+                        str(row.compared),
+                        "-" if row.max_error is None else f"{row.max_error:.2e}",
+                        "-" if row.foreign_bytes is None else str(row.foreign_bytes),
+                        f"{row.bound_value:.3g}",
+                        f"{row.margin:.2f}",
+                        row.verdict,
+                    )
+                )
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        lines = []
+        for i, cells in enumerate(table):
+            lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(cells)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return lines
 
     def kernel_timing_json(self) -> dict[str, Any]:
         """The timed step's reading kernels: microseconds of the fix's default
