@@ -212,3 +212,27 @@ def test_per_element_bounds_see_one_element_a_row_bound_would_hide():
     assert error == 2.0 and limit == bd.E4M3_STEP * 3.0 and error > limit
     assert bd.worst_element(want, want, torch.zeros(4)) == (0.0, 0.0)
     assert bd.worst_element(got, want, torch.zeros(4)) == (2.0, 0.0)
+
+
+def test_the_logit_bound_alone_is_loose_so_pages_are_compared_first():
+    """The figure docs/selftest.md quotes: with the self-test's inputs (32
+    heads, q N(0, 1) x 64 in e4m3, weights U(0, 1), keys stored with one
+    power-of-two scale), another state's key moves its logit past that
+    logit's own bound in 74% of 200 draws (median 2.1 times the bound)."""
+    gen = torch.Generator().manual_seed(33)
+    ratios = []
+    for _ in range(200):
+        q = (torch.randn(32, 128, generator=gen) * 64).to(torch.float8_e4m3fn)
+        weights = torch.rand(32, generator=gen)
+        keys = torch.randn(65, 128, generator=gen)
+        scale = torch.exp2(torch.ceil(torch.log2(keys.abs().amax(dim=1, keepdim=True) / 448)))
+        keys = (keys / scale).to(torch.float8_e4m3fn).float() * scale
+        want = ref.index_logits(q, weights, keys[:64])
+        bound = bd.logits_element_bound(q, weights, keys[:64], want)
+        wrong = keys[:64].clone()
+        wrong[7] = keys[64]
+        ratios.append(float((ref.index_logits(q, weights, wrong)[7] - want[7]).abs() / bound[7]))
+    ratios_t = torch.tensor(ratios)
+    caught = float((ratios_t > 1).float().mean())
+    print(f"wrong key past its logit bound: {caught:.0%}, median {ratios_t.median():.2f}x")
+    assert (round(caught, 2), round(float(ratios_t.median()), 1)) == (0.74, 2.1)
