@@ -21,7 +21,10 @@ the kernel and the call is recorded there:
 * :func:`recording_compressed_writer` stands a recorder in the place of each
   Triton kernel the release's ``rope_quant_insert`` launches (the compressed
   KV writer), and :func:`vllm_compressed_insert` runs the release's own
-  ``DeepseekCompressor.insert_cache`` on the self-test's caches and metadata.
+  ``DeepseekCompressor.insert_cache`` on the self-test's caches and metadata;
+  :func:`recording_indexer_k_writer` and :func:`vllm_produce_k` do the same
+  for the indexer keys (``indexer_k_norm_rope_store``, written by the
+  release's ``DeepseekV4Indexer._produce_k``).
 
 Nothing of vLLM's code on the way to a kernel is replaced: the recorders
 stand where the compiled (or Triton) kernels would run.
@@ -174,10 +177,11 @@ SWA_WRITERS = (
 
 
 @contextlib.contextmanager
-def recording_writers(calls: list[Call], caller: list[str]):
+def recording_writers(calls: list[Call], caller: list[str], stop_for: str | None = None):
     """vLLM's CUDA-only SWA writer ops exist meanwhile, declared with the
     schemas compiled into the installed vLLM's extension, and record their
-    calls (they write nothing).  Fails where the host already has them."""
+    calls (they write nothing); a call made for ``stop_for`` then stops there
+    (:class:`CallRecorded`).  Fails where the host already has them."""
     import re
 
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
@@ -191,6 +195,8 @@ def recording_writers(calls: list[Call], caller: list[str]):
         def record(*args):
             op = getattr(torch.ops._C, name)
             calls.append(Call(f"_C.{name}", _bound(op, args), caller[0]))
+            if caller[0] == stop_for:
+                raise CallRecorded(name)
             if op.default._schema.returns:  # the padded query
                 q_in, pad = args[0], int(args[6])
                 return q_in.new_zeros(q_in.shape[0], max(pad, q_in.shape[1]), q_in.shape[2])
@@ -212,14 +218,16 @@ def recording_writers(calls: list[Call], caller: list[str]):
 
 # The compressed caches' writer: vLLM's compressor publishes through
 # ``rope_quant_insert``, which launches the Triton kernel its cache's record
-# width names.
+# width names; the indexer keys' writer, ``indexer_k_norm_rope_store``.
 COMPRESSED_WRITER_MODULE = "vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache"
+INDEXER_K_WRITER_MODULE = "vllm.models.deepseek_v41.common.ops.indexer_k_store"
+COMPRESSED_LAUNCH, INDEXER_K_LAUNCH = "triton.compressed.", "triton.indexer_k."
 
 
 class _LaunchRecorder:
-    """Stands where one of ``rope_quant_insert``'s Triton kernels is: each
-    launch is recorded by the kernel's parameter names (and its grid), and
-    writes nothing."""
+    """Stands where one of a writer's Triton kernels is: each launch is
+    recorded (as ``<label><kernel>``) by the kernel's parameter names (and its
+    grid), and writes nothing."""
 
     def __init__(self, name: str, kernel, calls: list[Call], caller: list[str]):
         import inspect
@@ -234,34 +242,121 @@ class _LaunchRecorder:
             named = {name: describe(value) for name, value in zip(self.params, args)}
             named.update({name: describe(value) for name, value in kwargs.items()})
             named["grid"] = describe(tuple(grid))
-            self.calls.append(Call(f"triton.{self.name}", named, self.caller[0]))
+            self.calls.append(Call(self.name, named, self.caller[0]))
 
         return launch
 
 
 @contextlib.contextmanager
-def recording_compressed_writer(calls: list[Call], caller: list[str]):
-    """The Triton kernels the installed release's ``rope_quant_insert`` can
-    launch record their launches into ``calls`` meanwhile (tagged with
-    ``caller[0]``) and write nothing."""
+def _recording_launches(
+    module_name: str, function: str, label: str, calls: list[Call], caller: list[str]
+):
+    """The Triton kernels ``function`` of ``module_name`` can launch record
+    their launches into ``calls`` meanwhile (tagged with ``caller[0]``) and
+    write nothing."""
     import importlib
 
     from triton.runtime.jit import KernelInterface
 
-    module = importlib.import_module(COMPRESSED_WRITER_MODULE)
+    module = importlib.import_module(module_name)
     kernels = {
         name: getattr(module, name)
-        for name in module.rope_quant_insert.__code__.co_names
+        for name in getattr(module, function).__code__.co_names
         if isinstance(getattr(module, name, None), KernelInterface)
     }
-    assert kernels, "rope_quant_insert launches no Triton kernel this test knows"
+    assert kernels, f"{function} launches no Triton kernel this test knows"
     for name, kernel in kernels.items():
-        setattr(module, name, _LaunchRecorder(name, kernel, calls, caller))
+        setattr(module, name, _LaunchRecorder(f"{label}{name}", kernel, calls, caller))
     try:
         yield
     finally:
         for name, kernel in kernels.items():
             setattr(module, name, kernel)
+
+
+def recording_compressed_writer(calls: list[Call], caller: list[str]):
+    """The compressed KV writer's (``rope_quant_insert``'s) launches, recorded."""
+    return _recording_launches(
+        COMPRESSED_WRITER_MODULE, "rope_quant_insert", COMPRESSED_LAUNCH, calls, caller
+    )
+
+
+def recording_indexer_k_writer(calls: list[Call], caller: list[str]):
+    """The indexer keys' writer's (``indexer_k_norm_rope_store``'s) launches, recorded."""
+    return _recording_launches(
+        INDEXER_K_WRITER_MODULE, "indexer_k_norm_rope_store", INDEXER_K_LAUNCH, calls, caller
+    )
+
+
+def vllm_window_kv_insert(layout, cache, metadata: dict, kv, positions, cos_sin) -> None:
+    """The release's main forward up to its window-KV write, on the self-test's
+    SM120 layer of ``cache``: ``DeepseekV4Attention._prepare_and_attn``, whose
+    ``project_query_and_cache_kv`` projects the query from a q-lora activation
+    through the layer's ``wq_b`` and views it per head as the layer does, then
+    hands it with the window KV ``kv`` to ``_fused_qnorm_rope_kv_insert``.
+    The compressor and the indexer are left out (they run beside the write);
+    ``wq_b`` (vLLM's ``ColumnParallelLinear``, which needs a tensor-parallel
+    group a CPU test does not start) is a bf16 projection of the layer's
+    shapes.  Record with ``recording_writers(..., stop_for=<this caller>)``:
+    the forward stops at the writer op."""
+    from types import SimpleNamespace
+
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+
+    layer = layout.readers[cache.layer]
+    q_lora_rank = 64
+    weight = torch.randn(layer.n_local_heads * layer.head_dim, q_lora_rank, dtype=torch.bfloat16)
+    stand = {
+        "rotary_emb": SimpleNamespace(cos_sin_cache=cos_sin),
+        "wq_b": lambda x: x @ weight.T,
+        "compressor": None,
+        "indexer": None,
+        "aux_stream_list": None,
+    }
+    absent = [name for name in stand if name not in vars(layer)]
+    for name, value in stand.items():
+        object.__setattr__(layer, name, value)
+    qr = torch.randn(kv.shape[0], q_lora_rank, dtype=torch.bfloat16)
+    out = torch.empty(kv.shape[0], layer.padded_heads, layer.head_dim, dtype=torch.bfloat16)
+    context = ForwardContext(no_compile_layers={}, attn_metadata=metadata, slot_mapping={})
+    try:
+        with override_forward_context(context), contextlib.suppress(CallRecorded):
+            DeepseekV4Attention._prepare_and_attn(
+                layer, kv, qr, kv, None, None, None, positions, out
+            )
+    finally:
+        for name in absent:
+            object.__delattr__(layer, name)
+
+
+def vllm_produce_k(layout, cache, metadata: dict, latent, positions, cos_sin) -> None:
+    """The release's DeepSeek-V4.1 indexer turning a kv source's compressor
+    latent into its paged index keys: ``DeepseekV4Indexer._produce_k`` run
+    with the step's metadata on an indexer without its ``__init__``, holding
+    what that ``__init__`` gives an index source that owns its keys: ``k_norm``
+    (vLLM's ``RMSNorm`` of the 128-dim key in the model's bf16), the K cache,
+    the compress ratio, the FP8 (not MXFP4) cache.  Its ``wk`` (vLLM's
+    ``ReplicatedLinear``, which needs a tensor-parallel group a CPU test does
+    not start) is a bf16 projection of the same shapes: 512 -> 128."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.models.deepseek_v41.attention import DeepseekV4Indexer
+
+    indexer = DeepseekV4Indexer.__new__(DeepseekV4Indexer)
+    torch.nn.Module.__init__(indexer)
+    indexer.owns_k, indexer.use_fp4_kv = True, False
+    indexer.compress_ratio, indexer.k_cache = cache.ratio, cache.module
+    with set_current_vllm_config(_layer_config(layout)):  # a CustomOp reads the custom ops
+        indexer.k_norm = RMSNorm(128, layout.model.rms_norm_eps, dtype=torch.bfloat16)
+    weight = torch.randn(128, latent.shape[1], dtype=torch.bfloat16)
+    indexer.wk = lambda x: (x @ weight.T, None)
+    context = ForwardContext(no_compile_layers={}, attn_metadata=metadata, slot_mapping={})
+    with override_forward_context(context):
+        indexer._produce_k(latent, positions, SimpleNamespace(cos_sin_cache=cos_sin))
 
 
 def vllm_compressed_insert(layout, cache, metadata: dict, latent, positions, cos_sin) -> None:

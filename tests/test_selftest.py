@@ -51,7 +51,12 @@ fix_apply.with_kernel_slots = lambda original: original
 """
 
 
-def _cpu_env(**extra: str) -> dict[str, str]:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cpu_env(site: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment of an operator's run of this checkout (``site``: a folder
+    whose ``sitecustomize`` runs first)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -60,19 +65,19 @@ def _cpu_env(**extra: str) -> dict[str, str]:
             "VLLM_PLUGINS",
             "VLLM_MLA_FIXES",
             "VLLM_LOGGING_STREAM",
-            "PYTHONPATH",
             "VLLM_MLA_FIXES_DSV41_GEOMETRY",
         )
     }
-    return {**env, "CUDA_VISIBLE_DEVICES": "", **extra}
+    path = os.pathsep.join(str(p) for p in (site, ROOT) if p)
+    return {**env, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, **extra}
 
 
-def _selftest(*args: str, **env: str) -> subprocess.Popen:
+def _selftest(*args: str, site: str | None = None, **env: str) -> subprocess.Popen:
     command = Path(sys.executable).with_name("vllm-mla-fixes")  # this environment's console script
     assert command.exists(), f"{command} is missing: install the package into this environment"
     return subprocess.Popen(
         [str(command), "selftest", "--json", *args],
-        env=_cpu_env(**env),
+        env=_cpu_env(site, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,9 +115,7 @@ def runs(request, tmp_path_factory):
     if request.config.vllm_release == REGRESSED_ON:
         site = tmp_path_factory.mktemp("regressed")
         (site / "sitecustomize.py").write_text(REGRESSED_FIX)
-        regressed = _selftest(
-            "--geometry", "split", "--no-timing", "--jobs", "1", PYTHONPATH=str(site)
-        )
+        regressed = _selftest("--geometry", "split", "--no-timing", "--jobs", "1", site=str(site))
     return _finish(installed), regressed and _finish(regressed)
 
 
@@ -246,6 +249,23 @@ def test_split_layout_interleaves_64_row_ratio1_pages(report):
         "geometry per-ratio (KV connector NixlConnector is configured"
         in _geometry(report, "fallback")["status"]
     )
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_every_geometry_that_reads_back_launches_the_same_timed_work(report):
+    """The kernel timing compares equal work: the timed step launches the same
+    backbone layers' kernels over the same rows in every layout (the fix's
+    drafter layer is left out: upstream's layout has none)."""
+    work = {
+        g["name"]: g["timed_work"]
+        for g in report["geometries"]
+        if g["verdict"] in ("pass", "no failure here")
+    }
+    attention, logits = work["split"].values()
+    assert (attention["layers"], logits["layers"]) == ([0, 1, 2], [0, 1])
+    assert attention["rows"] == 3 * 4 and logits["rows"] == 2 * 4  # padded to 4 requests
+    assert set(work) >= {"split", "fallback"}
+    assert all(w == work["split"] for w in work.values()), work
 
 
 @pytest.mark.vllm_release(*DSV41)

@@ -102,7 +102,6 @@ def test_margin_is_error_over_bound_and_exact_bounds_take_only_zero():
     assert bounds.margin(0.03, 0.06) == pytest.approx(0.5)
     assert bounds.margin(0.0, 0.0) == 0.0
     assert bounds.margin(1e-9, 0.0) == math.inf
-    assert bounds.topk_slack(bounds.E4M3_STEP) == 2 * 2.0**-3
 
 
 # ------------------------------------------------------------------ a CPU run
@@ -160,13 +159,7 @@ def test_cpu_run_reports_each_comparisons_error_bound_and_margin(short_run):
 def test_cpu_run_says_the_kernels_are_not_timed(short_run):
     timing = short_run["json"]["decode_step_timing"]
     assert timing["timed"] is False and timing["note"] == "not timed (no GPU)"
-    assert timing["us"] == {
-        "split": {
-            "attention decode (FlashInfer SM120 sparse MLA)": None,
-            "indexer decode logits + top-k (DeepGEMM paged MQA)": None,
-        }
-    }
-    assert set(timing["ratio_fix_over_upstream"].values()) == {None}
+    assert (timing["baseline"], timing["kernels"]) == (None, {})
     assert ": not timed (no GPU)" in short_run["text"]
 
 

@@ -90,13 +90,14 @@ harness.run_geometry = run_geometry
 """
 
 
-def _selftest(site: Path, *args: str, faults: bool) -> subprocess.Popen:
+def _selftest(site: Path, *args: str, faults: bool, **extra: str) -> subprocess.Popen:
     command = Path(sys.executable).with_name("vllm-mla-fixes")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MLA_FIXES")}
     env.update(
         CUDA_VISIBLE_DEVICES="",
         PYTHONPATH=f"{site}{os.pathsep}{ROOT}",
         SELFTEST_FAULTS="1" if faults else "0",
+        **extra,
     )
     return subprocess.Popen(
         [str(command), "selftest", "--json", "--no-timing", *args],

@@ -13,10 +13,11 @@ format the release's writers store on that arch (fp32, or UE8M0x4 on SM100),
 and the GPU tests' indexer probe, which recomputes vLLM's call, runs on each
 arch's recorded call.
 
-The window KV: vLLM's main forward writes it through the layer's
-``_fused_qnorm_rope_kv_insert`` (``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``);
-recorded at that op, declared with the schema compiled into the release, the
-self-test's write must be the same call, into a cache of the record the layer
+The window KV: vLLM's main forward (``_prepare_and_attn``) projects the
+query and writes the window KV through the layer's ``_fused_qnorm_rope_kv_insert``
+(``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``); recorded at that op,
+declared with the schema compiled into the release, with the query the
+forward computed, the self-test's write must be the same call, into a cache of the record the layer
 writes on that arch (the 528-byte V4.1 MXFP8 record on SM100, else the 584-byte
 V4 one): the record, the page alignment and the block-stride alignment are the
 values the layer's own ``__init__`` statements compute on that arch.
@@ -27,7 +28,10 @@ the Triton kernel the cache's record width names; recorded at those kernels,
 the self-test's write must be the same launch, into a cache of the record and
 page alignment the layer's ``__init__`` statements give the compressed cache
 on that arch (on SM100 the 528-byte V4.1 MXFP8 record and 512-byte pages,
-else the 584-byte V4 record and 576-byte pages).
+else the 584-byte V4 record and 576-byte pages).  The index keys: vLLM's
+``DeepseekV4Indexer._produce_k`` stores them through
+``indexer_k_norm_rope_store``; recorded at its Triton kernel, the self-test's
+launch must be the same (issue 33).
 """
 
 from __future__ import annotations
@@ -144,8 +148,6 @@ def _record_writers(arch: str):
     each step's window-KV and compressed-KV writes made first by vLLM's own
     writers and then by the self-test's, all recorded where the kernels
     stand; (calls, the layer's own cache arguments, the self-test's caches)."""
-    from types import SimpleNamespace
-
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
     from vllm_mla_fixes.selftest.timeline import StepPlan
@@ -158,20 +160,21 @@ def _record_writers(arch: str):
     def write(run, batch, block_ids):
         caller[0] = "vllm"
         caches[:] = [*run.layout.by_kind("swa"), *run.layout.by_kind("compressed")]
-        # vLLM's main forward publishes each layer's window KV through the
-        # layer's _fused_qnorm_rope_kv_insert (DeepseekV4Attention.forward).
+        rows, positions, cos_sin = run.inputs.rows, batch.positions, run.inputs.cos_sin_dev
+        # vLLM's main forward publishes each layer's window KV with the query
+        # it projects (DeepseekV4Attention._prepare_and_attn).
         for cache in run.layout.by_kind("swa"):
-            layer = run.layout.readers[cache.layer]
-            layer.rotary_emb = SimpleNamespace(cos_sin_cache=run.inputs.cos_sin_dev)
-            kv = run.inputs.rows(run.inputs.swa, cache.layer, batch, batch.num_tokens_padded)
-            q = kv.new_zeros(kv.shape[0], layer.n_local_heads, kv.shape[1])
-            layer._fused_qnorm_rope_kv_insert(q, kv, batch.positions, batch.metadata)
-        # A kv source's compressor publishes its latent (DeepseekCompressor.insert_cache).
-        for cache in run.layout.by_kind("compressed"):
-            latent = run.inputs.rows(run.inputs.latent, cache.layer, batch, batch.num_tokens_padded)
-            kc.vllm_compressed_insert(
-                run.layout, cache, batch.metadata, latent, batch.positions, run.inputs.cos_sin_dev
-            )
+            kv = rows(run.inputs.swa, cache.layer, batch, batch.num_tokens_padded)
+            kc.vllm_window_kv_insert(run.layout, cache, batch.metadata, kv, positions, cos_sin)
+        # A kv source's compressor publishes its latent (DeepseekCompressor.insert_cache),
+        # and its indexer turns the latent into index keys (DeepseekV4Indexer._produce_k).
+        for kind, vllm_writer in (
+            ("compressed", kc.vllm_compressed_insert),
+            ("indexer", kc.vllm_produce_k),
+        ):
+            for cache in run.layout.by_kind(kind):
+                latent = rows(run.inputs.latent, cache.layer, batch, batch.num_tokens_padded)
+                vllm_writer(run.layout, cache, batch.metadata, latent, positions, cos_sin)
         caller[0] = "selftest"
         try:
             return original(run, batch, block_ids)
@@ -187,8 +190,9 @@ def _record_writers(arch: str):
         with (
             kc.pretend_gpu(arch),
             kc.recording(calls, caller),
-            kc.recording_writers(calls, caller),
+            kc.recording_writers(calls, caller, stop_for="vllm"),
             kc.recording_compressed_writer(calls, caller),
+            kc.recording_indexer_k_writer(calls, caller),
         ):
             result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
             layer = _layer_cache_arguments()
@@ -299,7 +303,7 @@ def test_selftest_writes_the_compressed_kv_as_the_compressor_does(arch):
     strides, constexprs), into caches of the record and page alignment the
     layer's own ``__init__`` statements give the compressed cache on that arch."""
     calls, layer, caches = _record_writers(arch)
-    theirs = _same_calls(arch, calls, "triton.", "vLLM's compressor (the compressed KV)")
+    theirs = _same_calls(arch, calls, kc.COMPRESSED_LAUNCH, "vLLM's compressor (the compressed KV)")
     width = layer["compressed_bytes_per_token"]
     written = {c.kernel: c.args["cache"].shape[-1] for c in theirs}
     assert set(written.values()) == {width}, (
@@ -315,6 +319,19 @@ def test_selftest_writes_the_compressed_kv_as_the_compressor_does(arch):
         assert cache.spec.state_content_bytes == width, (arch, cache.spec)
         assert cache.spec.alignment == layer["kv_page_alignment"], (arch, cache.spec)
         assert cache.bound.shape[-1] == width, (arch, tuple(cache.bound.shape))
+
+
+@pytest.mark.vllm_release(*DSV41)
+@pytest.mark.parametrize("arch", list(kc.ARCHS))
+def test_selftest_writes_the_indexer_keys_as_the_indexer_does(arch):
+    """vLLM's indexer turns a kv source's compressor latent into its index
+    keys through ``DeepseekV4Indexer._produce_k`` (``k_norm(wk(latent))``,
+    ``indexer_k_norm_rope_store`` with the layer's norm weight and epsilon, its
+    cache, the metadata's slots, the compress ratio, the FP8 cache); recorded
+    at the Triton kernel that store launches, the self-test's write is the
+    same launch (kernel, argument dtypes, shapes, strides, constexprs, grid)."""
+    calls, _, _ = _record_writers(arch)
+    _same_calls(arch, calls, kc.INDEXER_K_LAUNCH, "vLLM's indexer (the index keys)")
 
 
 @pytest.mark.vllm_release(*DSV41)

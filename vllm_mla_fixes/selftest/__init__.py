@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .kernels import Device
+    from .pairing import DecodeTiming
     from .report import Report
 
+from .isolation import DEFAULT_LIMIT_SECONDS
 from .verdicts import EXIT_OK
 
 DEFAULT_GEOMETRIES = ("split", "fallback", "control", "upstream")
@@ -134,7 +136,8 @@ def run_selftest(
 ) -> Report:
     """Run the self-test on the local device; never raises for what it finds.
     ``timing=False`` skips every timing; ``geometry_limit_seconds`` bounds each
-    geometry's process where they run in processes of their own."""
+    process where the geometries (and on a GPU the kernel timing) run in
+    processes of their own."""
     import vllm
 
     from .kernels import Kernels, detect_device
@@ -151,15 +154,16 @@ def run_selftest(
     if device.kind == "cpu":
         jobs = jobs or min(len(names), os.cpu_count() or 1)
     report.isolated = device.kind != "cpu" or (jobs or 1) > 1
+    limit = geometry_limit_seconds or DEFAULT_LIMIT_SECONDS
     if report.isolated:
-        from .isolation import DEFAULT_LIMIT_SECONDS, run_isolated
+        from .isolation import run_isolated
 
-        limit = geometry_limit_seconds or DEFAULT_LIMIT_SECONDS
-        report.results = run_isolated(names, device, jobs or 1, limit, timed=timing)
+        report.results = run_isolated(names, device, jobs or 1, limit)
     else:
         from .harness import run_geometry
 
-        report.results = [run_geometry(name, device, kernels, timed=timing) for name in names]
+        report.results = [run_geometry(name, device, kernels) for name in names]
+    report.kernel_timing = _kernel_timing(device, report, timing, limit)
     if timing:
         try:
             report.timing = slot_translation_cost(device)
@@ -167,6 +171,27 @@ def run_selftest(
             report.timing = []
             traceback.print_exc()
     return report
+
+
+def _kernel_timing(device: Device, report: Report, timing: bool, limit: float) -> DecodeTiming:
+    """The decode step's reading kernels timed on a GPU, the fix's default
+    layout against upstream's where it read back exactly here, else against
+    a dense layout of the same tokens (:mod:`.pairing`)."""
+    from .clock import NOT_TIMED_CPU
+    from .pairing import DENSE, FIX_GEOMETRY, UPSTREAM, DecodeTiming
+    from .report import geometry_verdict
+    from .verdicts import NO_BUG, PASS
+
+    if device.kind == "cpu":
+        return DecodeTiming.not_timed(NOT_TIMED_CPU)
+    if not timing:
+        return DecodeTiming.not_timed("not timed (--no-timing)")
+    verdicts = {r.geometry: geometry_verdict(r) for r in report.results}
+    if verdicts.get(FIX_GEOMETRY) != PASS:
+        return DecodeTiming.not_timed("not timed: the fix's default layout did not pass here")
+    from .isolation import run_timing
+
+    return run_timing(device, UPSTREAM if verdicts.get(UPSTREAM) == NO_BUG else DENSE, limit)
 
 
 def verify(report: Callable[[str], None]) -> bool:

@@ -1,11 +1,13 @@
-"""Median time of GPU kernel calls after warm-up; needs PyTorch only (no vLLM).
+"""Time of GPU kernel launches after warm-up; needs PyTorch only (no vLLM).
 
-``time_calls`` times a set of callables in interleaved rounds (each round
-calls every one once, so clock drift and a busy neighbour hit them alike),
-drops the warm-up rounds (JIT compilation, autotuning, cold caches) and
-returns each one's median in microseconds.  On CUDA one call is timed with a
-pair of ``torch.cuda.Event``s on the current stream (the GPU's own clock,
-not the host's launch latency); elsewhere with ``time.perf_counter``.
+``time_rounds`` times a set of callables in interleaved rounds (each round
+calls every one once, the order reversed every other round, so clock drift
+and a busy neighbour hit them alike), drops the warm-up rounds (JIT
+compilation, autotuning, cold caches) and returns every counted round's
+microseconds; ``paired_ratio`` gives the median of two calls' per-round
+ratios with its quartiles.  On CUDA one call is timed with a pair of
+``torch.cuda.Event``s on the current stream around its launches (the GPU's
+own clock, not the host's launch latency); elsewhere with ``time.perf_counter``.
 """
 
 from __future__ import annotations
@@ -44,29 +46,41 @@ def timer_for(device: torch.device) -> Timer:
     return cuda_event_us if device.type == "cuda" else host_clock_us
 
 
-def time_calls(
+def time_rounds(
     calls: Mapping[str, Callable[[], object]],
     device: torch.device,
     warmup: int = WARMUP,
     repeats: int = REPEATS,
     timer: Timer | None = None,
-) -> dict[str, float]:
-    """Median microseconds per call of each of ``calls`` over ``repeats``
-    rounds, after ``warmup`` rounds that are run but not counted."""
+) -> dict[str, list[float]]:
+    """Microseconds of each of ``calls`` in each of ``repeats`` rounds, after
+    ``warmup`` rounds that are run but not counted.  Each round calls every
+    one once, the order reversed every other round (A B, B A, ...), so that
+    neither always runs on the caches the other left."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     timer = timer or timer_for(device)
     samples: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
     for round_ in range(warmup + repeats):
-        for name, call in calls.items():
-            elapsed = timer(call)
+        for name in names if round_ % 2 == 0 else reversed(names):
+            elapsed = timer(calls[name])
             if round_ >= warmup:
                 samples[name].append(elapsed)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator where both were timed."""
-    if numerator is None or not denominator:
-        return None
-    return numerator / denominator
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def paired_ratio(numerators: list[float], denominators: list[float]) -> tuple[float, float, float]:
+    """The median of the per-round ratios of two calls timed in the same
+    rounds, and their lower and upper quartiles (the spread)."""
+    ratios = [n / d for n, d in zip(numerators, denominators, strict=True) if d > 0]
+    if not ratios:
+        raise ValueError("no round with a non-zero denominator")
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    low, middle, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return middle, low, high

@@ -10,11 +10,15 @@ release's own code):
    decoder replay the kept rows' metadata on copies of the groups.
 2. The writers write random latents with the slot mappings the metadata gives
    them (each write is attributed: bytes it changed outside its cache's own
-   pages in the batch's blocks are foreign).
+   pages in the batch's blocks are foreign); the records each write left are
+   read back at the slots it was given, kept, and compared with a dense
+   PyTorch computation on the un-paged latents, element by element
+   (:mod:`.records`).
 3. The readers read (:mod:`.kernels`): every layer's attention for every row
    of the step through ``_forward_decode`` / ``_forward_prefill``; the
-   indexer's decode logits and top-k, and its prefill K gather.  Each read is
-   compared with a dense PyTorch computation on the un-paged latents.
+   indexer's decode logits and top-k, and its prefill K gather.  The bytes
+   each kernel reads must be the kept records of the tokens it should read;
+   each read is then compared with the same computation on those records.
 
 At the end, bytes that differ from the sentinel outside every cache's pages
 are counted (stray bytes), and each case of :data:`.timeline.CASES` gets a
@@ -28,14 +32,15 @@ import functools
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from . import bounds as bd
-from . import clock
 from . import kernels as kn
+from . import records
 from . import reference as ref
 from .env import drafter_pages_at_128, one_torch_thread, simulated_sm120_host
 from .layout import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, describe
@@ -44,9 +49,10 @@ from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan,
 SENTINEL = 0xA5
 # How far a read may be off against the dense reference: :mod:`.bounds` derives
 # each comparison's bound from the formats (0 where nothing rounds differently).
-# The decode step whose kernel calls are timed on a GPU: a CUDA-graph padded
+# The decode step whose kernel launches are timed on a GPU: a CUDA-graph padded
 # decode of two requests, the same batch in every geometry.
 TIMED_STEP = next(plan.name for plan in TIMELINE if "graph-padded" in plan.cases)
+TIMED_KERNELS = (kn.ATTENTION_DECODE, kn.INDEXER_LOGITS)
 
 
 # ------------------------------------------------------------------ results
@@ -56,10 +62,11 @@ TIMED_STEP = next(plan.name for plan in TIMELINE if "graph-padded" in plan.cases
 class Tally:
     """What one kernel (or one case) saw over the run."""
 
-    compared: int = 0  # reads compared with the dense reference
-    worst: float = 0.0  # worst relative error of a compared read
-    bound: bd.Bound | None = None  # what the reads may be off by (a kernel's tally)
-    worst_margin: float = 0.0  # worst error / bound of a compared read
+    compared: int = 0  # reads (or writes' records) compared with the dense reference
+    worst: float = 0.0  # worst error of a comparison
+    bound: bd.Bound | None = None  # what the comparisons may be off by (a kernel's tally)
+    worst_margin: float = 0.0  # worst error / bound of a comparison
+    worst_bound: float = 0.0  # the bound of that comparison (per element: of that element)
     foreign_bytes: int = 0  # bytes written outside own pages
     writes: int = 0
     problems: list[str] = field(default_factory=list)
@@ -69,8 +76,8 @@ class Tally:
         if not error <= self.worst:  # NaN counts as worst
             self.worst = error
         ratio = bd.margin(error, bound)
-        if not ratio <= self.worst_margin:
-            self.worst_margin = ratio
+        if not ratio <= self.worst_margin or self.compared == 1:
+            self.worst_margin, self.worst_bound = ratio, bound
 
     def fail(self, problem: str) -> None:
         if len(self.problems) < 8:
@@ -98,10 +105,9 @@ class GeometryResult:
     offloaded_bytes: int = 0  # bytes copied out and back by the offload-reload case
     aborted: str | None = None
     crashed_in: str | None = None  # the kernel of a device fault (or of its process's death)
-    # Median GPU time of one decode step's calls (every layer's attention
-    # decode, every indexer's logits), per kernel; None where not timed.
-    decode_step_us: dict[str, float | None] = field(default_factory=dict)
-    timing_note: str | None = None  # why a kernel was not timed
+    # What the timed step launches of each timed kernel: the layers, launches
+    # and rows (the same in every geometry, or their times do not compare).
+    timed_work: dict[str, dict[str, object]] = field(default_factory=dict)
     seconds: float = 0.0
 
     def kernel(self, name: str) -> Tally:
@@ -212,6 +218,39 @@ class Inputs:
 # ---------------------------------------------------------------------- run
 
 
+class Write(NamedTuple):
+    """One writer call of a step, and what it is given."""
+
+    kernel: str
+    cache: CacheLayer
+    slots: torch.Tensor
+    rows: int  # records a page, as the writer addresses its pages
+    width: int  # bytes a record
+    ratio: int  # 0: a record per token (the window KV); else one per group of ratio tokens
+    positions: torch.Tensor
+    kept: torch.Tensor | None  # decoder replay: the batch rows written
+    call: Callable[[], object]
+
+
+class TimedLaunch(NamedTuple):
+    """One launch of a timed kernel in the timed step."""
+
+    layer: int
+    rows: int  # query rows the launch reads for
+    launch: kn.Launch
+
+
+def timed_work(launches: dict[str, list[TimedLaunch]]) -> dict[str, dict[str, object]]:
+    return {
+        kernel: {
+            "layers": sorted({t.layer for t in timed}),
+            "launches": len(timed),
+            "rows": sum(t.rows for t in timed),
+        }
+        for kernel, timed in launches.items()
+    }
+
+
 class Run:
     def __init__(
         self,
@@ -234,8 +273,14 @@ class Run:
         self.ever_held: set[int] = set()
         self.finished_blocks: set[int] = set()
         self.dense: dict[tuple, torch.Tensor] = {}  # dense reference rows, computed once
-        self.step_calls: dict[str, list] | None = None  # the timed step's kernel calls
-        self.times_decode = layout.device.type == "cuda"  # kernel times mean nothing on CPU
+        shares = {name: (other, shared) for name, (_, other, shared) in PROMPTS.items() if other}
+        self.stored = records.Stored(
+            layout.model.max_model_len, shares, ref.index_scales_are_ue8m0x4()
+        )
+        self.timed_step = TIMED_STEP
+        self.in_timed_step = False
+        # The timed step's launches of each timed kernel, kept from that step on.
+        self.timed_launches: dict[str, list[TimedLaunch]] = {k: [] for k in TIMED_KERNELS}
 
     # ---------------------------------------------------------- one step
 
@@ -266,11 +311,13 @@ class Run:
             changed = int((self.layout.storage[mask] != before).sum())
             if changed:
                 self.problem(plan, None, f"{changed} bytes of the cached prefix's pages changed")
-        timed = plan.name == TIMED_STEP and self.times_decode
-        self.step_calls = {kn.ATTENTION_DECODE: [], kn.INDEXER_LOGITS: []} if timed else None
-        self.read(batch)
-        if timed:
-            self.time_step()
+        self.in_timed_step = plan.name == self.timed_step
+        try:
+            self.read(batch)
+        finally:
+            self.in_timed_step = False
+        if plan.name == self.timed_step:
+            self.result.timed_work = timed_work(self.timed_launches)
         for name in plan.offload:
             self.offload_and_reload(plan, name, block_ids[name])
         accepted = dict(plan.accept)
@@ -349,6 +396,25 @@ class Run:
                 self.entering("")
         return True
 
+    def timed(self, kernel: str, layer: int, rows: int, call: Callable[[], object]):
+        """``call``, its launches kept where it is the timed step's launch of a
+        timed kernel on a backbone layer: every geometry has those (upstream's
+        layout has no drafter layer), so each times the same work."""
+        if (
+            not self.in_timed_step
+            or kernel not in self.timed_launches
+            or layer >= self.model.backbone_layers
+        ):
+            return call
+
+        def recorded() -> None:
+            launches: list[kn.Launch] = []
+            with self.kernels.recording(launches):
+                call()
+            self.timed_launches[kernel] += [TimedLaunch(layer, rows, x) for x in launches]
+
+        return recorded
+
     def problem(self, plan: StepPlan, kernel: str | None, text: str) -> None:
         line = f"{plan.name}: {text}"
         if kernel is not None:
@@ -356,15 +422,26 @@ class Run:
         for case in plan.cases:
             self.result.case(case).fail(line)
 
-    def note(self, plan: StepPlan, kernel: str, error: float) -> None:
-        bound = self.bound(kernel)
+    def note(
+        self,
+        plan: StepPlan,
+        kernel: str,
+        error: float,
+        limit: float | None = None,
+        bound: bd.Bound | None = None,
+    ) -> None:
+        """One comparison on ``kernel``: ``error`` against ``limit`` (default: the
+        value of ``bound``, by default the kernel's reader bound; a per-element
+        bound gives the limit of the element furthest past it)."""
+        bound = bound or self.bound(kernel)
+        limit = bound.value if limit is None else limit
         tally = self.result.kernel(kernel)
         tally.bound = bound
-        tally.note(error, bound.value)
+        tally.note(error, limit)
         for case in plan.cases:
-            self.result.case(case).note(error, bound.value)
-        if not error <= bound.value:
-            self.problem(plan, kernel, f"{kernel} off by {error:.3g} (bound {bound.value:g})")
+            self.result.case(case).note(error, limit)
+        if not error <= limit:
+            self.problem(plan, kernel, f"{kernel} off by {error:.3g} (bound {limit:.3g})")
 
     def bound(self, kernel: str) -> bd.Bound:
         return bd.bound_for(kernel, self.kernels, self.model.q_heads)
@@ -451,115 +528,168 @@ class Run:
 
     def attributed(
         self, plan: StepPlan, kernel: str, cache: CacheLayer, names, block_ids, write
-    ) -> None:
+    ) -> bool:
         storage = self.layout.storage
         before = storage.clone()
         tally = self.result.kernel(kernel)
         tally.writes += 1
         if not self.call(plan, kernel, cache.name, write):  # a refused write is a finding
-            return
+            return False
         foreign = int(((storage != before) & ~self.own_mask(cache, names, block_ids)).sum())
         if foreign:
             tally.foreign_bytes += foreign
             for case in plan.cases:
                 self.result.case(case).foreign_bytes += foreign
             self.problem(plan, kernel, f"{cache.name}: {foreign} bytes written outside its pages")
+        return True
 
     def write(self, batch: Batch, block_ids) -> None:
-        plan, model, inputs = batch.plan, self.model, self.inputs
-        md, replay = batch.metadata, batch.replay
-        padded = batch.num_tokens_padded
-        positions = batch.positions
+        """Every cache's writer for the step, each write attributed, then the
+        records it left kept and compared with the dense reference."""
+        for write in (*self.swa_writes(batch), *self.latent_writes(batch)):
+            if write.ratio == 1:
+                self.check_ratio1_slots(write.cache, batch, write.slots)
+            if self.write_checked(batch.plan, write, batch.names, block_ids):
+                self.keep_records(batch, write)
+
+    def swa_writes(self, batch: Batch) -> list[Write]:
+        model, inputs, replay = self.model, self.inputs, batch.replay
+        out = []
         for cache in self.layout.by_kind("swa"):
-            swa_md = md[cache.name]
-            rows = inputs.rows(inputs.swa, cache.layer, batch, padded)
-            slots, pos = swa_md.slot_mapping, positions
+            swa_md = batch.metadata[cache.name]
+            rows = inputs.rows(inputs.swa, cache.layer, batch, batch.num_tokens_padded)
+            slots, pos, kept = swa_md.slot_mapping, batch.positions, None
             if replay is not None and cache.layer > model.cut:
                 # Layers past the cut run, and write their window KV, on the kept rows only.
-                swa_md = replay.metadata[cache.name]
-                rows, slots, pos = rows[replay.rows], swa_md.slot_mapping, replay.positions
-            self.write_checked(
-                plan,
-                kn.SWA_WRITER,
-                cache,
-                batch.names,
-                block_ids,
+                swa_md, kept = replay.metadata[cache.name], replay.rows
+                rows, slots, pos = rows[kept], swa_md.slot_mapping, replay.positions
+            call = functools.partial(
+                self.kernels.write_swa,
+                cache.module.kv_cache,
+                rows,
+                pos,
+                inputs.cos_sin_dev,
                 slots,
                 swa_md.block_size,
-                self.layout.kv_records.swa_bytes_per_token,
-                lambda c=cache, r=rows, p=pos, s=slots, m=swa_md: self.kernels.write_swa(
-                    c.module.kv_cache,
-                    r,
-                    p,
-                    inputs.cos_sin_dev,
-                    s,
-                    m.block_size,
-                    self.layout.readers[c.layer],
-                    m,
-                ),
+                self.layout.readers[cache.layer],
+                swa_md,
             )
+            width = self.layout.kv_records.swa_bytes_per_token
+            out.append(
+                Write(kn.SWA_WRITER, cache, slots, swa_md.block_size, width, 0, pos, kept, call)
+            )
+        return out
+
+    def latent_writes(self, batch: Batch) -> list[Write]:
+        """The compressed KV's and the indexer keys' writes."""
+        inputs, positions, padded = self.inputs, batch.positions, batch.num_tokens_padded
+        out = []
         for cache in self.layout.by_kind("compressed"):
-            slots = md[cache.name].slot_mapping
-            self.check_ratio1_slots(cache, batch, slots)
             latent = inputs.rows(inputs.latent, cache.layer, batch, padded)
-            self.write_checked(
-                plan,
-                kn.COMPRESSED_WRITER,
-                cache,
-                batch.names,
-                block_ids,
+            slots = batch.metadata[cache.name].slot_mapping
+            call = functools.partial(
+                self.kernels.write_compressed,
+                cache.module.kv_cache,
+                latent,
+                positions,
+                inputs.cos_sin_dev,
                 slots,
-                None,
-                self.layout.kv_records.compressed_bytes_per_token,
-                lambda c=cache, s=slots, x=latent: self.kernels.write_compressed(
-                    c.module.kv_cache, x, positions, inputs.cos_sin_dev, s, c.ratio
-                ),
+                cache.ratio,
+            )
+            width = self.layout.kv_records.compressed_bytes_per_token
+            rows = int(cache.module.kv_cache.shape[1])
+            out.append(
+                Write(
+                    kn.COMPRESSED_WRITER,
+                    cache,
+                    slots,
+                    rows,
+                    width,
+                    cache.ratio,
+                    positions,
+                    None,
+                    call,
+                )
             )
         for cache in self.layout.by_kind("indexer"):
-            slots = md[cache.name].slot_mapping
-            self.check_ratio1_slots(cache, batch, slots)
-            k_pre = inputs.rows(inputs.k_pre, cache.layer, batch, padded)
-            weight = inputs.norm_weight[cache.layer].to(self.layout.device)
-            self.write_checked(
-                plan,
-                kn.INDEXER_WRITER,
-                cache,
-                batch.names,
-                block_ids,
+            slots = batch.metadata[cache.name].slot_mapping
+            call = functools.partial(
+                self.kernels.write_indexer,
+                cache.module.kv_cache,
+                inputs.rows(inputs.k_pre, cache.layer, batch, padded),
+                positions,
+                inputs.cos_sin_dev,
+                inputs.norm_weight[cache.layer].to(self.layout.device),
+                self.model.rms_norm_eps,
                 slots,
-                None,
-                ref.INDEX_RECORD,
-                lambda c=cache, s=slots, k=k_pre, w=weight: self.kernels.write_indexer(
-                    c.module.kv_cache,
-                    k,
-                    positions,
-                    inputs.cos_sin_dev,
-                    w,
-                    model.rms_norm_eps,
-                    s,
-                    c.ratio,
-                ),
+                cache.ratio,
             )
+            rows = int(cache.module.kv_cache.shape[1])
+            out.append(
+                Write(
+                    kn.INDEXER_WRITER,
+                    cache,
+                    slots,
+                    rows,
+                    ref.INDEX_RECORD,
+                    cache.ratio,
+                    positions,
+                    None,
+                    call,
+                )
+            )
+        return out
 
-    def write_checked(
-        self, plan, kernel, cache, names, block_ids, slots, block_size, record, write
-    ) -> None:
-        """The Triton interpreter has no memory protection: refuse a write that
-        would end outside the allocation instead of corrupting the process."""
-        view = cache.module.kv_cache
-        rows = block_size or view.shape[1]
-        valid = slots[slots >= 0].to(torch.int64).cpu()
+    def write_checked(self, plan: StepPlan, write: Write, names, block_ids) -> bool:
+        """The write, attributed (False where it was refused or failed).  The
+        Triton interpreter has no memory protection: a write that would end
+        outside the allocation is refused instead of corrupting the process."""
+        view = write.cache.module.kv_cache
+        valid = write.slots[write.slots >= 0].to(torch.int64).cpu()
         if valid.numel():
-            end = view.storage_offset() + (valid // rows) * view.stride(0) + rows * record
+            end = (
+                view.storage_offset()
+                + (valid // write.rows) * view.stride(0)
+                + write.rows * write.width
+            )
             if int(end.max()) > self.layout.storage.numel():
                 self.problem(
                     plan,
-                    kernel,
-                    f"{cache.name}: slot {int(valid[end.argmax()])} "
+                    write.kernel,
+                    f"{write.cache.name}: slot {int(valid[end.argmax()])} "
                     "lies outside the KV allocation; write refused",
                 )
-                return
-        self.attributed(plan, kernel, cache, names, block_ids, write)
+                return False
+        return self.attributed(plan, write.kernel, write.cache, names, block_ids, write.call)
+
+    def keep_records(self, batch: Batch, write: Write) -> None:
+        """The records the write left, read back at the slots it was given and
+        kept (the readers' truth), each compared with the dense reference,
+        element by element (:func:`.bounds.writer_element_bound`)."""
+        bound = bd.writer_bound(self.kernels)
+        view = write.cache.module.kv_cache
+        tokens = records.written(batch, write.positions, write.slots, write.ratio, write.kept)
+        for name, (index, slots) in tokens.items():
+            raw = ref.record_bytes(view, slots, write.rows, write.width)
+            self.stored.store(write.cache.name, name, index, raw)
+            got = ref.decode_records(raw, self.stored.ue8m0x4)
+            want = self.dense_records(write.cache, name, index)
+            limit = (
+                bd.writer_element_bound(got, want, raw)
+                if bound.per_element
+                else torch.zeros_like(got)
+            )
+            error, at = bd.worst_element(got, want, limit)
+            self.note(batch.plan, write.kernel, error, at, bound)
+
+    def dense_records(self, cache: CacheLayer, name: str, index: torch.Tensor) -> torch.Tensor:
+        """The dense reference of ``name``'s records ``index`` in ``cache``."""
+        if cache.kind == "swa":
+            return self.dense_swa(name, cache.layer)[index]
+        if cache.kind == "compressed":
+            return self.dense_compressed(name, cache.layer, cache.ratio)[index]
+        count = int(index.max()) + 1
+        return self.dense_index_keys(name, cache.layer, cache.ratio, count)[index]
 
     def check_ratio1_slots(self, cache: CacheLayer, batch: Batch, slots: torch.Tensor) -> None:
         """Ratio-1 writers: count slots that differ from the kernel-table formula
@@ -676,26 +806,66 @@ class Run:
                     ),
                 )
             )
-        for kernel, call in calls:
-            if not self.call(plan, kernel, f"layer {layer}", call):
-                return
-            if self.step_calls is not None and kernel in self.step_calls:
-                self.step_calls[kernel].append(call)
-        got = out.float().cpu()
-        q_cpu = q.cpu()
+        launches: list[kn.Launch] = []
+        with self.kernels.recording(launches):
+            for kernel, call in calls:
+                rows_read = nd if kernel == kn.ATTENTION_DECODE else rows - nd
+                timed = self.timed(kernel, layer, rows_read, call)
+                if not self.call(plan, kernel, f"layer {layer}", timed):
+                    return
+        try:
+            truth = self.attention_truth(batch, layer, spans, lower, chosen)
+        except records.MissingRecord as exc:
+            self.problem(plan, calls[-1][0], f"layer {layer}: {exc}")
+            return
+        self.check_attention(plan, layer, q, out, launches, truth, nd)
+
+    def attention_truth(
+        self, batch: Batch, layer: int, spans, lower: list[int], chosen
+    ) -> dict[int, tuple[list[torch.Tensor], torch.Tensor]]:
+        """Per batch row: the records the writers stored for the tokens it
+        should read (its window, then its chosen compressed states), raw per
+        segment, and their values."""
+        model = self.model
+        swa = self.layout.find("swa", layer).name
+        source, ratio = model.source_of(layer), model.compress_ratios[layer]
+        truth = {}
         for r, first, end, pos0 in spans:
             name = batch.names[r]
             for row in range(first, end):
                 pos = pos0 + row - first
                 lo = max(0, pos - model.sliding_window + 1, lower[r])
-                kv = [self.dense_swa(name, layer)[lo : pos + 1]]
+                raw, values = self.stored.fetch(swa, name, torch.arange(lo, pos + 1))
+                segments, kv = [raw], [values]
                 if source is not None:  # a compressed layer (ratio > 0)
-                    kv.append(self.dense_compressed(name, source, ratio)[chosen[row]])
-                dense = ref.sink_softmax_attention(
-                    q_cpu[row], torch.cat(kv), reader.attn_sink.cpu(), reader.scale
+                    compressed = f"model.layers.{source}.self_attn"
+                    raw, values = self.stored.fetch(compressed, name, chosen[row], ratio)
+                    segments.append(raw)
+                    kv.append(values)
+                truth[row] = (segments, torch.cat(kv))
+        return truth
+
+    def check_attention(self, plan, layer: int, q, out, launches, truth, nd: int) -> None:
+        """The records each launch read, byte for byte, then each row's output
+        against the attention computed on exactly those records."""
+        expected = {row: segments for row, (segments, _) in truth.items()}
+        for launch in launches:
+            stray, missed = records.attention_misreads(launch, out, expected)
+            if stray or missed:
+                first = records.launch_rows(launch, out).start
+                kernel = kn.ATTENTION_DECODE if first < nd else kn.ATTENTION_PREFILL
+                self.problem(
+                    plan,
+                    kernel,
+                    f"layer {layer}: {stray} records read are no token's it should read, "
+                    f"{missed} of those tokens' records not read (page bytes)",
                 )
-                kernel = kn.ATTENTION_DECODE if row < nd else kn.ATTENTION_PREFILL
-                self.note(plan, kernel, self.error(kernel, got[row], dense))
+        reader = self.layout.readers[layer]
+        got, q_cpu = out.float().cpu(), q.cpu()
+        for row, (_, kv) in truth.items():
+            dense = ref.sink_softmax_attention(q_cpu[row], kv, reader.attn_sink.cpu(), reader.scale)
+            kernel = kn.ATTENTION_DECODE if row < nd else kn.ATTENTION_PREFILL
+            self.note(plan, kernel, self.error(kernel, got[row], dense))
 
     def dense_swa(self, name: str, layer: int) -> torch.Tensor:
         """Every position's sliding-window row as the SWA writer stores it
@@ -750,121 +920,113 @@ class Run:
         )
 
     def read_indexer(self, batch: Batch, cache: CacheLayer, md, replay) -> None:
-        plan, model = batch.plan, self.model
         imd = md[cache.name]
-        view = cache.module.kv_cache
         spans = self.request_rows(batch, replay)
-        device = self.layout.device
         if imd.num_decodes > 0 and imd.decode is not None:
-            decode = imd.decode
-            batch_size = int(decode.seq_lens.shape[0])
-            q = torch.randn(batch_size, 1, model.index_heads, 128, generator=self.inputs.gen)
-            q_fp8 = (q * 64).to(torch.float8_e4m3fn)
-            weights = torch.rand(batch_size, model.index_heads, generator=self.inputs.gen)
-            max_len = model.max_model_len // cache.ratio
-            q_dev, weights_dev = q_fp8.to(device), weights.to(device)
-            read: dict[str, torch.Tensor] = {}
+            self.read_logits(batch, cache, imd.decode, spans)
+        if imd.prefill is not None:
+            for chunk in imd.prefill.chunks:
+                if not chunk.skip_kv_gather and chunk.local_total_seq_lens:
+                    self.read_gathered_keys(batch, cache, chunk, spans)
 
-            def logits_call(q_dev=q_dev, weights_dev=weights_dev, decode=decode, view=view):
-                # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
-                return self.kernels.paged_logits(
-                    q_dev,
-                    view.unsqueeze(-2),
-                    weights_dev,
-                    decode.seq_lens,
-                    decode.block_table,
-                    decode.schedule_metadata,
-                    max_len,
-                    getattr(decode, "indices", None),  # SM100's varlen rows
-                )
+    def read_logits(self, batch: Batch, cache: CacheLayer, decode, spans) -> None:
+        """The indexer's decode logits over every state of each request, as
+        ``sparse_attn_indexer`` asks DeepGEMM for them."""
+        plan, model, device = batch.plan, self.model, self.layout.device
+        batch_size = int(decode.seq_lens.shape[0])
+        q = torch.randn(batch_size, 1, model.index_heads, 128, generator=self.inputs.gen)
+        q_fp8 = (q * 64).to(torch.float8_e4m3fn)
+        weights = torch.rand(batch_size, model.index_heads, generator=self.inputs.gen)
+        q_dev, weights_dev = q_fp8.to(device), weights.to(device)
+        read: dict[str, torch.Tensor] = {}
 
-            def paged_logits() -> None:
-                read["logits"] = logits_call()
-
-            if self.call(plan, kn.INDEXER_LOGITS, cache.name, paged_logits):
-                if self.step_calls is not None:
-                    self.step_calls[kn.INDEXER_LOGITS].append(logits_call)
-                logits = read["logits"].float().cpu()
-                lens = decode.seq_lens.cpu()
-                for b in range(min(batch_size, len(spans))):
-                    r = spans[b][0]
-                    count = int(lens[b, 0])
-                    if count <= 0:
-                        continue
-                    keys = self.dense_index_keys(batch.names[r], cache.layer, cache.ratio, count)
-                    dense = ref.index_logits(q_fp8[b, 0], weights[b], keys)
-                    error = self.error(kn.INDEXER_LOGITS, logits[b, :count], dense)
-                    self.note(plan, kn.INDEXER_LOGITS, error)
-                    self.compare_topk(plan, logits[b, :count], dense)
-        if imd.prefill is None:
-            return
-        for chunk in imd.prefill.chunks:
-            if chunk.skip_kv_gather or not chunk.local_total_seq_lens:
-                continue
-            total = int(chunk.local_total_seq_lens)
-            dst_k = torch.zeros(total, 128, dtype=torch.float8_e4m3fn, device=device)
-            dst_scale = torch.zeros(total, 4, dtype=torch.uint8, device=device)
-
-            def gather(k=dst_k, scale=dst_scale, c=chunk) -> None:
-                self.kernels.gather_k(view, k, scale, c.block_table, c.local_cu_seq_lens)
-
-            if not self.call(plan, kn.INDEXER_GATHER, cache.name, gather):
-                continue
-            got = dst_k.float().cpu() * ref.index_key_scales(
-                dst_scale.cpu(), ref.index_scales_are_ue8m0x4()
+        def paged_logits() -> None:
+            # the view sparse_attn_indexer hands DeepGEMM (kv_cache_as_quant_view, fp8 rows)
+            read["logits"] = self.kernels.paged_logits(
+                q_dev,
+                cache.module.kv_cache.unsqueeze(-2),
+                weights_dev,
+                decode.seq_lens,
+                decode.block_table,
+                decode.schedule_metadata,
+                model.max_model_len // cache.ratio,
+                getattr(decode, "indices", None),  # SM100's varlen rows
             )
-            cu = chunk.local_cu_seq_lens.tolist()
-            members = [s for s in spans if s[1] < chunk.token_end and s[2] > chunk.token_start]
-            for b, (r, *_rest) in enumerate(members[: len(cu) - 1]):
-                want = self.dense_index_keys(
-                    batch.names[r], cache.layer, cache.ratio, cu[b + 1] - cu[b]
-                )
-                self.note(
-                    plan,
-                    kn.INDEXER_GATHER,
-                    self.error(kn.INDEXER_GATHER, got[cu[b] : cu[b + 1]], want),
-                )
 
-    def time_step(self) -> None:
-        """Median GPU time of the step's decode calls of each real kernel
-        (all layers' calls together: one decode step), after warm-up."""
-        assert self.step_calls is not None
-        real = {
-            kernel: calls
-            for kernel, calls in self.step_calls.items()
-            if calls and self.kernels.is_real(kernel)
-        }
-        skipped = sorted(set(self.step_calls) - set(real))
-        if skipped:
-            self.result.timing_note = "not timed (stand-in or not called): " + "; ".join(skipped)
-        # the repeated calls are not reads: an observer of the calls (the GPU
-        # tests' probe) and the call count see each read once
-        observer, count = self.kernels.attention_observer, self.kernels.attention_calls
-        self.kernels.attention_observer = None
-        try:
-            medians = clock.time_calls(
-                {kernel: functools.partial(_call_each, calls) for kernel, calls in real.items()},
-                self.layout.device,
-            )
-        except Exception as exc:  # the time is a figure, not a verdict; the reads were compared
-            self.result.timing_note = f"timing failed: {type(exc).__name__}: {exc}"
-            medians = {}
-        finally:
-            self.kernels.attention_observer, self.kernels.attention_calls = observer, count
-        self.result.decode_step_us = {kernel: medians.get(kernel) for kernel in self.step_calls}
-
-    def compare_topk(self, plan: StepPlan, got: torch.Tensor, want: torch.Tensor) -> None:
-        """The kernel's top-k must be a top-k of the dense scores (ties and the
-        kernel's summation order may reorder equals)."""
-        k = min(self.model.index_topk, want.numel())
-        picked = torch.topk(got, k).indices
-        floor = float(torch.topk(want, k).values[-1])
-        slack = bd.topk_slack(self.bound(kn.INDEXER_LOGITS).value) * float(want.abs().max())
-        wrong = int((want[picked] < floor - slack).sum())
-        if wrong:
+        launches: list[kn.Launch] = []
+        timed = self.timed(kn.INDEXER_LOGITS, cache.layer, batch_size, paged_logits)
+        with self.kernels.recording(launches):
+            if not self.call(plan, kn.INDEXER_LOGITS, cache.name, timed):
+                return
+        logits, lens = read["logits"].float().cpu(), decode.seq_lens.cpu()
+        expected = {}
+        for b in range(min(batch_size, len(spans))):
+            count = int(lens[b, 0])
+            if count <= 0:
+                continue
+            name = batch.names[spans[b][0]]
+            try:
+                raw, keys = self.stored.fetch(cache.name, name, torch.arange(count), cache.ratio)
+            except records.MissingRecord as exc:
+                self.problem(plan, kn.INDEXER_LOGITS, f"{cache.name}: {exc}")
+                continue
+            expected[b] = raw
+            self.check_logits(plan, q_fp8[b, 0], weights[b], keys, logits[b, :count])
+        misread = sum(records.logits_misreads(launch, expected) for launch in launches)
+        if misread:
             self.problem(
-                plan, kn.INDEXER_LOGITS, f"top-{k}: {wrong} indices outside the dense top-{k}"
+                plan,
+                kn.INDEXER_LOGITS,
+                f"{cache.name}: {misread} keys read are not the tokens' own (page bytes)",
             )
+
+    def check_logits(self, plan: StepPlan, q_fp8, weights, keys, got: torch.Tensor) -> None:
+        """One request's logits against the indexer's score of the stored keys,
+        each position against its own bound (0 where the reader adds no
+        arithmetic), then its top-k."""
+        want = ref.index_logits(q_fp8, weights, keys)
+        bound = self.bound(kn.INDEXER_LOGITS)
+        limit = (
+            bd.logits_element_bound(q_fp8, weights, keys, want)
+            if bound.per_element
+            else torch.zeros_like(want)
+        )
+        error, at = bd.worst_element(got, want, limit)
+        self.note(plan, kn.INDEXER_LOGITS, error, at)
+        k = min(self.model.index_topk, want.numel())
+        outside = bd.topk_outsiders(torch.topk(got, k).indices, want, limit, k)
+        if outside:
+            self.problem(
+                plan, kn.INDEXER_LOGITS, f"top-{k}: {outside} indices outside the dense top-{k}"
+            )
+
+    def read_gathered_keys(self, batch: Batch, cache: CacheLayer, chunk, spans) -> None:
+        """The indexer's prefill K gather of one chunk, byte for byte."""
+        plan, device = batch.plan, self.layout.device
+        total = int(chunk.local_total_seq_lens)
+        dst_k = torch.zeros(total, 128, dtype=torch.float8_e4m3fn, device=device)
+        dst_scale = torch.zeros(total, 4, dtype=torch.uint8, device=device)
+
+        def gather() -> None:
+            self.kernels.gather_k(
+                cache.module.kv_cache, dst_k, dst_scale, chunk.block_table, chunk.local_cu_seq_lens
+            )
+
+        if not self.call(plan, kn.INDEXER_GATHER, cache.name, gather):
+            return
+        raw = torch.cat([dst_k.cpu().view(torch.uint8), dst_scale.cpu()], dim=1)
+        got = ref.decode_records(raw, self.stored.ue8m0x4)
+        cu = chunk.local_cu_seq_lens.tolist()
+        members = [s for s in spans if s[1] < chunk.token_end and s[2] > chunk.token_start]
+        for b, (r, *_rest) in enumerate(members[: len(cu) - 1]):
+            states = torch.arange(cu[b + 1] - cu[b])
+            try:
+                _, want = self.stored.fetch(cache.name, batch.names[r], states, cache.ratio)
+            except records.MissingRecord as exc:
+                self.problem(plan, kn.INDEXER_GATHER, f"{cache.name}: {exc}")
+                continue
+            error = self.error(kn.INDEXER_GATHER, got[cu[b] : cu[b + 1]], want)
+            self.note(plan, kn.INDEXER_GATHER, error)
 
     # ---------------------------------------------------------- the end
 
@@ -873,11 +1035,6 @@ class Run:
         every block the run allocated."""
         own = self.layout.mask_of({name: sorted(self.ever_held) for name in self.layout.caches})
         return int(((self.layout.storage != SENTINEL) & ~own).sum())
-
-
-def _call_each(calls: list) -> None:
-    for call in calls:
-        call()
 
 
 def tiling_problems(layout: Layout) -> list[str]:
@@ -935,6 +1092,46 @@ def _fix_for(geometry, device: kn.Device):
             yield applied
 
 
+@contextlib.contextmanager
+def _geometry_run(
+    name: str,
+    device: kn.Device,
+    kernels: kn.Kernels,
+    result: GeometryResult,
+    model: TinyModel | None,
+    seed: int,
+    entering: Callable[[str], None] | None = None,
+) -> Iterator[Run]:
+    """A run of geometry ``name`` on ``device``, its layout built by vLLM
+    inside what the geometry needs (the fix applied or not, vLLM's SM120
+    host on CPU, the attention entry point on ``kernels``); ``result`` gets
+    the layout's facts."""
+    geometry = GEOMETRIES[name]
+    model = model or TinyModel()
+    if not geometry.via_plugin:
+        model = model.without_drafter()
+    cpu = device.kind == "cpu"
+    host = simulated_sm120_host() if cpu else contextlib.nullcontext()
+    threads = one_torch_thread() if cpu else contextlib.nullcontext()
+    with (
+        threads,
+        host,
+        drafter_pages_at_128(),
+        _fix_for(geometry, device) as applied,
+        kernels.attention_entry(),
+    ):
+        layout = build_layout(geometry, model, SENTINEL, device.torch_device)
+        result.block_size = layout.block_size
+        result.layout = describe(layout)
+        result.guard_error = layout.guard_error
+        if applied is not None:
+            from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+
+            result.status = f"{applied.status.reason}; {fix.status_detail()}"
+        result.tiling_problems = tiling_problems(layout)
+        yield Run(layout, kernels, result, seed, entering)
+
+
 def run_geometry(
     name: str,
     device: kn.Device,
@@ -943,41 +1140,16 @@ def run_geometry(
     seed: int = 0,
     plans: tuple[StepPlan, ...] = TIMELINE,
     entering: Callable[[str], None] | None = None,
-    timed: bool = True,
 ) -> GeometryResult:
     """Replay the timeline (or its first ``plans``) on one geometry; never
     raises for what it finds.  ``entering`` is told each kernel before it is
     called and ``""`` after it returns (a process that dies in a kernel is
-    charged to it); ``timed=False`` skips the GPU's decode-step timing."""
-    geometry = GEOMETRIES[name]
-    model = model or TinyModel()
-    if not geometry.via_plugin:
-        model = model.without_drafter()
+    charged to it)."""
     kernels = kernels or kn.Kernels.for_device(device)
     result = new_result(name)
     start = time.monotonic()
-    cpu = device.kind == "cpu"
-    host = simulated_sm120_host() if cpu else contextlib.nullcontext()
-    threads = one_torch_thread() if cpu else contextlib.nullcontext()
     try:
-        with (
-            threads,
-            host,
-            drafter_pages_at_128(),
-            _fix_for(geometry, device) as applied,
-            kernels.attention_entry(),
-        ):
-            layout = build_layout(geometry, model, SENTINEL, device.torch_device)
-            result.block_size = layout.block_size
-            result.layout = describe(layout)
-            result.guard_error = layout.guard_error
-            if applied is not None:
-                from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-
-                result.status = f"{applied.status.reason}; {fix.status_detail()}"
-            result.tiling_problems = tiling_problems(layout)
-            run = Run(layout, kernels, result, seed, entering)
-            run.times_decode = run.times_decode and timed
+        with _geometry_run(name, device, kernels, result, model, seed, entering) as run:
             for plan in plans:
                 run.step(plan)
             result.stray_bytes = run.stray_bytes()
@@ -989,3 +1161,28 @@ def run_geometry(
         result.layout.append(traceback.format_exc(limit=6))
     result.seconds = time.monotonic() - start
     return result
+
+
+def timed_step_launches(
+    name: str,
+    device: kn.Device,
+    kernels: kn.Kernels,
+    plans: tuple[StepPlan, ...] = TIMELINE,
+    timed_step: str = TIMED_STEP,
+    model: TinyModel | None = None,
+    entering: Callable[[str], None] | None = None,
+) -> tuple[GeometryResult, dict[str, list[TimedLaunch]]]:
+    """Replay ``plans`` on geometry ``name`` up to and including the step
+    named ``timed_step``; its result and the launches of the timed kernels
+    that step made (the run stops there, so their arguments stay as that step
+    left them).  Raises what stops the run."""
+    if timed_step not in [plan.name for plan in plans]:
+        raise ValueError(f"no step named {timed_step!r} to time")
+    result = new_result(name)
+    with _geometry_run(name, device, kernels, result, model, 0, entering) as run:
+        run.timed_step = timed_step
+        for plan in plans:
+            run.step(plan)
+            if plan.name == timed_step:
+                break
+    return result, run.timed_launches

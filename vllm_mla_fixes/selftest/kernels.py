@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -89,6 +90,20 @@ def detect_device() -> Device:
     return Device("cpu", torch.device("cpu"), "CPU")
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One reader kernel launch as it was made: the kernel's own callable (the
+    real kernel, or its stand-in) and its arguments, so that it can be made
+    again alone (the timing) or on other pages (:mod:`.pairing`)."""
+
+    kernel: Callable[..., object]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self) -> object:
+        return self.kernel(*self.args, **self.kwargs)
+
+
 class Kernels:
     """The writers and readers of one device, each real or stand-in
     (:attr:`sources` says which, and why a stand-in)."""
@@ -100,6 +115,7 @@ class Kernels:
         # Called after each attention call with the call's arguments (the
         # output filled): lets the GPU tests' probe read the same pages.
         self.attention_observer = None
+        self._recorders: list[list[Launch]] = []  # see recording()
 
     @classmethod
     def for_device(cls, device: Device) -> Kernels:
@@ -161,6 +177,22 @@ class Kernels:
 
     def is_real(self, kernel: str) -> bool:
         return self.sources[kernel].startswith("real")
+
+    @contextlib.contextmanager
+    def recording(self, into: list[Launch]):
+        """Each reader launch made meanwhile is also appended to ``into`` (and
+        to the lists of any enclosing ``recording``)."""
+        self._recorders.append(into)
+        try:
+            yield into
+        finally:
+            self._recorders.pop()  # nested blocks end innermost first
+
+    def _launch(self, kernel: Callable[..., object], *args, **kwargs) -> object:
+        launch = Launch(kernel, args, kwargs)
+        for recorder in self._recorders:
+            recorder.append(launch)
+        return launch()
 
     # ------------------------------------------------------------ writers
 
@@ -236,7 +268,7 @@ class Kernels:
 
         def counted(**kwargs):
             self.attention_calls += 1
-            result = target(**kwargs)
+            result = self._launch(target, **kwargs)
             if self.attention_observer is not None:
                 self.attention_observer(**kwargs)
             return result
@@ -268,15 +300,15 @@ class Kernels:
         ``indices`` the metadata builder made (tests/test_selftest_kernel_calls.py
         compares this call with vLLM's own, per release and arch)."""
         if not self.is_real(INDEXER_LOGITS):
-            device = q_fp8.device
-            return paged_mqa_logits_stand_in(
-                q_fp8.cpu(),
-                kv_view.cpu(),
-                weights.cpu(),
-                context_lens.cpu(),
-                block_table.cpu(),
+            return self._launch(
+                paged_mqa_logits_stand_in,
+                q_fp8,
+                kv_view,
+                weights,
+                context_lens,
+                block_table,
                 max_len,
-            ).to(device)
+            )
         from vllm.utils import deep_gemm
 
         func = deep_gemm.fp8_fp4_paged_mqa_logits
@@ -296,7 +328,8 @@ class Kernels:
             extra["logits_dtype"] = logits_dtype
         if indices is not None:
             extra["indices"] = indices
-        return func(
+        return self._launch(
+            func,
             (q_fp8, q_scale),
             kv_view,
             weights,
@@ -406,8 +439,13 @@ def paged_mqa_logits_stand_in(
 ) -> torch.Tensor:
     """DeepGEMM's paged MQA logits in PyTorch: ``logits[t, s] = k_scale[s] *
     sum_h w[t, h] * relu(q[t, h] . k[s])`` for request-local compressed
-    position ``s`` read through the block table, -inf past the context."""
+    position ``s`` read through the block table, -inf past the context;
+    computed on the CPU, returned on the device of ``q_fp8``."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
+
+    device = q_fp8.device
+    q_fp8, kv_view, weights = q_fp8.cpu(), kv_view.cpu(), weights.cpu()
+    context_lens, block_table = context_lens.cpu(), block_table.cpu()
 
     declared = envelope.kernel_envelopes()[envelope.DEEPGEMM_LOGITS_FP8]
     rows = int(kv_view.shape[1])
@@ -432,7 +470,7 @@ def paged_mqa_logits_stand_in(
             out[b * next_n + n, :length] = ref.index_logits(
                 q_fp8[b, n], weights[b * next_n + n], keys
             )
-    return out
+    return out.to(device)
 
 
 def indexer_logits_dtype() -> torch.dtype:

@@ -222,7 +222,7 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
     attention = AttentionConfig()
     # What VllmConfig.__post_init__ resolves for max_model_len <= 256K.
     attention.sparse_mla_prefill_workspace_factor = 5
-    return SimpleNamespace(
+    config = SimpleNamespace(
         model_config=SimpleNamespace(
             hf_config=hf, hf_text_config=hf, max_model_len=model.max_model_len
         ),
@@ -242,6 +242,21 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
         use_v2_model_runner=True,
         num_speculative_tokens=0,
     )
+    _derived_properties(config)
+    return config
+
+
+def _derived_properties(config: SimpleNamespace) -> None:
+    """What ``VllmConfig`` derives from these sub-configs and vLLM's planner
+    reads (the tokens in flight that sliding-window specs reserve for, from
+    0.32.0 on; the fix plans its layouts with that planner), computed by
+    ``VllmConfig``'s own properties."""
+    from vllm.config import VllmConfig
+
+    for name in ("max_concurrent_batches", "max_in_flight_tokens"):
+        derived = getattr(VllmConfig, name, None)
+        if isinstance(derived, property) and derived.fget is not None:
+            setattr(config, name, derived.fget(config))
 
 
 def upstream_block_size() -> int:

@@ -286,22 +286,6 @@ def page_geometry(view: torch.Tensor, record: int) -> tuple[int, int]:
     return int(view.shape[1]), int(view.stride(0))
 
 
-def read_v4_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Dequantised K=V rows [N, 512] at flat slot indices idx [N] (>= 0)."""
-    pbs, page_stride = page_geometry(view, RECORD_BYTES)
-    flat = storage_bytes(view)
-    idx = idx.to(torch.int64)
-    page, row = idx // pbs, idx % pbs
-    base = view.storage_offset() + page * page_stride
-    data = gather_bytes(flat, base + row * DATA_BYTES, DATA_BYTES)
-    footer = gather_bytes(flat, base + pbs * DATA_BYTES + row * FOOTER_BYTES, FOOTER_BYTES)
-    nope = data[:, :NOPE].contiguous().view(torch.float8_e4m3fn).float()
-    scales = torch.exp2(footer[:, :NUM_SCALES].float() - 127.0)
-    nope = nope * scales.repeat_interleave(TILE, dim=1)
-    rope = data[:, NOPE:].contiguous().view(torch.bfloat16).float()
-    return torch.cat([nope, rope], dim=1)
-
-
 @functools.cache
 def mxfp8_scales_follow_each_row() -> bool:
     """Whether the installed release's V4.1 MXFP8 record keeps each token's
@@ -335,28 +319,6 @@ def mxfp8_addresses(page: torch.Tensor, row: torch.Tensor, pbs: int) -> tuple:
     return page + row * HEAD, page + pbs * HEAD + row * MX_SCALES
 
 
-def read_mxfp8_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Dequantised K=V rows [N, 512] of V4.1 MXFP8 records at flat slot
-    indices idx [N] (>= 0)."""
-    pbs, page_stride = page_geometry(view, MX_RECORD_BYTES)
-    flat = storage_bytes(view)
-    idx = idx.to(torch.int64)
-    values_at, scales_at = mxfp8_addresses(
-        view.storage_offset() + (idx // pbs) * page_stride, idx % pbs, pbs
-    )
-    values = gather_bytes(flat, values_at, HEAD).contiguous().view(torch.float8_e4m3fn).float()
-    scales = torch.exp2(gather_bytes(flat, scales_at, MX_SCALES).float() - 127.0)
-    return values * scales.repeat_interleave(MX_TILE, dim=1)
-
-
-def read_kv_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Dequantised K=V rows of whichever record the cache holds (its row width
-    names it, as vLLM's readers tell them apart)."""
-    if view.shape[-1] == MX_RECORD_BYTES:
-        return read_mxfp8_rows(view, idx)
-    return read_v4_rows(view, idx)
-
-
 def index_scales_are_ue8m0x4() -> bool:
     """Whether the installed release's indexer K writers store each key's
     power-of-two scale as four equal UE8M0 bytes instead of an fp32: on SM100,
@@ -376,18 +338,64 @@ def index_key_scales(raw: torch.Tensor, ue8m0x4: bool) -> torch.Tensor:
     return raw.view(torch.float32)
 
 
+def record_bytes(view: torch.Tensor, idx: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """The raw record [N, width] at each flat slot of ``idx`` (page ``slot //
+    rows``, row ``slot % rows``) in the pages of ``view`` (``view.stride(0)``
+    elements apart): its values, then its scales, gathered from where the
+    record of ``width`` bytes keeps them (V4, the release's V4.1 MXFP8, the
+    indexer's fp8 row); on the CPU."""
+    flat = storage_bytes(view)
+    idx = idx.to(torch.int64).to(flat.device)
+    page = view.element_size() * (view.storage_offset() + (idx // rows) * view.stride(0))
+    row = idx % rows
+    if width == RECORD_BYTES:
+        parts = [(page + row * DATA_BYTES, DATA_BYTES)]
+        parts.append((page + rows * DATA_BYTES + row * FOOTER_BYTES, FOOTER_BYTES))
+    elif width == MX_RECORD_BYTES:
+        values, scales = mxfp8_addresses(page, row, rows)
+        parts = [(values, HEAD), (scales, MX_SCALES)]
+    elif width == INDEX_RECORD:
+        parts = [(page + row * INDEX_DIM, INDEX_DIM), (page + rows * INDEX_DIM + row * 4, 4)]
+    else:
+        raise ValueError(f"no record of {width} bytes per token")
+    return torch.cat([gather_bytes(flat, start, size) for start, size in parts], dim=1).cpu()
+
+
+def decode_records(raw: torch.Tensor, ue8m0x4: bool = False) -> torch.Tensor:
+    """The fp32 values records [N, width] (:func:`record_bytes`) hold: K=V rows
+    [N, 512] of the V4 or V4.1 MXFP8 record, or index keys [N, 128] (their
+    scales fp32, or UE8M0x4: :func:`index_scales_are_ue8m0x4`)."""
+    raw = raw.contiguous()
+    width = raw.shape[1]
+    if width == RECORD_BYTES:
+        nope = raw[:, :NOPE].contiguous().view(torch.float8_e4m3fn).float()
+        scales = torch.exp2(raw[:, DATA_BYTES : DATA_BYTES + NUM_SCALES].float() - 127.0)
+        rope = raw[:, NOPE:DATA_BYTES].contiguous().view(torch.bfloat16).float()
+        return torch.cat([nope * scales.repeat_interleave(TILE, dim=1), rope], dim=1)
+    if width == MX_RECORD_BYTES:
+        values = raw[:, :HEAD].contiguous().view(torch.float8_e4m3fn).float()
+        scales = torch.exp2(raw[:, HEAD:].float() - 127.0)
+        return values * scales.repeat_interleave(MX_TILE, dim=1)
+    if width == INDEX_RECORD:
+        keys = raw[:, :INDEX_DIM].contiguous().view(torch.float8_e4m3fn).float()
+        return keys * index_key_scales(raw[:, INDEX_DIM:], ue8m0x4)
+    raise ValueError(f"no record of {width} bytes per token")
+
+
+def read_kv_rows(view: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantised K=V rows [N, 512] at flat slot indices idx [N] (>= 0) of
+    whichever record the cache holds (its row width names it, as vLLM's
+    readers tell them apart)."""
+    width = int(view.shape[-1])
+    rows, _ = page_geometry(view, width)
+    return decode_records(record_bytes(view, idx, rows, width))
+
+
 def read_index_keys(view: torch.Tensor, idx: torch.Tensor, ue8m0x4: bool = False) -> torch.Tensor:
     """Dequantised index keys [N, 128] at flat state indices idx [N] (>= 0),
     their scales fp32 or UE8M0x4 (:func:`index_scales_are_ue8m0x4`)."""
-    pbs, page_stride = page_geometry(view, INDEX_RECORD)
-    flat = storage_bytes(view)
-    idx = idx.to(torch.int64)
-    page, row = idx // pbs, idx % pbs
-    base = view.storage_offset() + page * page_stride
-    values = gather_bytes(flat, base + row * INDEX_DIM, INDEX_DIM)
-    scale = gather_bytes(flat, base + pbs * INDEX_DIM + row * 4, 4)
-    keys = values.contiguous().view(torch.float8_e4m3fn).float()
-    return keys * index_key_scales(scale, ue8m0x4)
+    rows, _ = page_geometry(view, INDEX_RECORD)
+    return decode_records(record_bytes(view, idx, rows, INDEX_RECORD), ue8m0x4)
 
 
 def index_logits(q_fp8: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -420,7 +428,7 @@ def sink_softmax_attention(
     return (p @ kv) / denom[:, None]
 
 
-def _segment(indices: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+def segment_indices(indices: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     idx = indices.reshape(-1).to(torch.int64)
     n = min(max(int(length), 0), idx.numel())
     idx = idx[:n]
@@ -446,9 +454,9 @@ def sm120_sparse_decode(
     extra = compressed cache with the global top-k indices and lengths."""
     out = torch.empty(q.shape, dtype=torch.float32)
     for t in range(q.shape[0]):
-        rows = [read_kv_rows(swa_cache, _segment(swa_indices[t], swa_lens[t]))]
+        rows = [read_kv_rows(swa_cache, segment_indices(swa_indices[t], swa_lens[t]))]
         if extra_cache is not None:
             assert extra_indices is not None and extra_lens is not None
-            rows.append(read_kv_rows(extra_cache, _segment(extra_indices[t], extra_lens[t])))
+            rows.append(read_kv_rows(extra_cache, segment_indices(extra_indices[t], extra_lens[t])))
         out[t] = sink_softmax_attention(q[t], torch.cat(rows), sink, scale)
     return out

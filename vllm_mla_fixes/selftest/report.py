@@ -9,8 +9,9 @@ from typing import Any
 from . import bounds as bd
 from . import clock
 from . import kernels as kn
-from .harness import TIMED_STEP, GeometryResult
+from .harness import TIMED_KERNELS, TIMED_STEP, GeometryResult
 from .layout import TinyModel
+from .pairing import BASELINES, WHAT_IS_TIMED, DecodeTiming
 from .timeline import CASES
 from .timing import StepCost
 from .verdicts import (
@@ -32,14 +33,16 @@ class Row:
     kernel: str
     source: str
     compared: int  # reads compared (readers) or calls (writers)
-    max_error: float | None  # readers only
+    max_error: float | None  # readers; writers whose records were compared
     foreign_bytes: int | None  # writers only
     verdict: str
     problems: list[str] = field(default_factory=list)
-    # what the row's error is held to: readers their worst relative error,
-    # writers their foreign bytes (exact); margin = error / bound
+    # what the row's error is held to: readers their reads', writers their
+    # stored records' against the dense reference (and foreign bytes: none);
+    # margin = error / bound, the worst of the row's comparisons
     bound: bd.Bound = bd.WRITER_BOUND
     margin: float = 0.0
+    bound_value: float = 0.0  # the bound of the worst comparison (per element: its element's)
 
     @property
     def error(self) -> float:
@@ -67,8 +70,9 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
             bound = tally.bound or bd.bound_for(kernel, kernels, TinyModel.q_heads)
             margin = tally.worst_margin
         else:
-            bound = bd.WRITER_BOUND
-            margin = bd.margin(tally.foreign_bytes, bound.value)
+            bound = tally.bound or bd.WRITER_BOUND
+            margin = max(tally.worst_margin, bd.margin(tally.foreign_bytes, 0.0))
+        bound_value = tally.worst_bound if bound.per_element and tally.compared else bound.value
         if result.role == "fix":
             verdict = FAIL if bad or (reader and not tally.compared) else PASS
         elif result.role == "control":
@@ -81,19 +85,16 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
                 kernel,
                 kernels.sources[kernel],
                 tally.compared if reader else tally.writes,
-                tally.worst if reader else None,
+                tally.worst if reader or tally.compared else None,
                 None if reader else tally.foreign_bytes,
                 verdict,
                 list(tally.problems),
                 bound,
                 margin,
+                bound_value,
             )
         )
     return rows
-
-
-TIMED_KERNELS = (kn.ATTENTION_DECODE, kn.INDEXER_LOGITS)
-FIX_GEOMETRY = "split"  # the fix's default layout, timed against upstream's
 
 
 @dataclass
@@ -106,6 +107,9 @@ class Report:
     cannot_run: str | None = None
     notes: list[str] = field(default_factory=list)
     isolated: bool = False  # each geometry ran in a process of its own
+    kernel_timing: DecodeTiming = field(
+        default_factory=lambda: DecodeTiming.not_timed(clock.NOT_TIMED_CPU)
+    )
 
     def working_layouts(self) -> list[GeometryResult]:
         """The layouts that read back as written here: the fix's that pass, and
@@ -182,6 +186,7 @@ class Report:
                     "stale_bytes_zeroed": r.stale_bytes_zeroed,
                     "reused_blocks": r.reused_blocks,
                     "offloaded_bytes": r.offloaded_bytes,
+                    "timed_work": r.timed_work,
                     "layout": r.layout,
                     "cases": {
                         name: {
@@ -202,7 +207,7 @@ class Report:
                             "max_error": _num(row.max_error),
                             "foreign_bytes": row.foreign_bytes,
                             "error": _num(row.error),
-                            "bound": row.bound.value,
+                            "bound": row.bound_value,
                             "margin": _num(row.margin),
                             "measure": row.bound.measure,
                             "bound_derivation": row.bound.formula,
@@ -214,7 +219,7 @@ class Report:
                 }
                 for r in self.results
             ],
-            "decode_step_timing": self.decode_timing(),
+            "decode_step_timing": self.kernel_timing_json(),
             "slot_translation_us": [
                 {
                     "tokens": c.tokens,
@@ -235,39 +240,7 @@ class Report:
         ]
         if self.cannot_run is not None:
             return "\n".join([*lines, f"cannot run: {self.cannot_run}"])
-        table = [
-            (
-                "geometry",
-                "kernel",
-                "source",
-                "n",
-                "max error",
-                "foreign B",
-                "bound",
-                "error/bound",
-                "verdict",
-            )
-        ]
-        for result in self.results:
-            for row in rows_of(result, self.kernels):
-                table.append(
-                    (
-                        row.geometry,
-                        row.kernel,
-                        row.source,
-                        str(row.compared),
-                        "-" if row.max_error is None else f"{row.max_error:.2e}",
-                        "-" if row.foreign_bytes is None else str(row.foreign_bytes),
-                        f"{row.bound.value:.3g}",
-                        f"{row.margin:.2f}",
-                        row.verdict,
-                    )
-                )
-        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-        for i, cells in enumerate(table):
-            lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(cells)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines += self.table_lines()
         lines.append("")
         for result in self.results:
             verdict = geometry_verdict(result)
@@ -333,48 +306,91 @@ class Report:
         lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
 
-    def decode_timing(self) -> dict[str, Any]:
-        """Median GPU microseconds of one decode step's calls per kernel and
-        geometry, and the fix's over upstream's; null where not timed."""
-        us = {
-            r.geometry: {k: _rounded(r.decode_step_us.get(k)) for k in TIMED_KERNELS}
-            for r in self.results
-        }
-        fix, upstream = us.get(FIX_GEOMETRY, {}), us.get("upstream", {})
-        notes = []
-        if self.device.kind == "cpu":
-            notes.append(clock.NOT_TIMED_CPU)
-        else:
-            if "upstream" not in us:
-                notes.append("no fix/upstream ratio: upstream's layout was not run here")
-            notes += [f"{r.geometry}: {r.timing_note}" for r in self.results if r.timing_note]
+    def table_lines(self) -> list[str]:
+        """One row per geometry and kernel, columns aligned."""
+        table = [
+            (
+                "geometry",
+                "kernel",
+                "source",
+                "n",
+                "max error",
+                "foreign B",
+                "bound",
+                "error/bound",
+                "verdict",
+            )
+        ]
+        for result in self.results:
+            for row in rows_of(result, self.kernels):
+                table.append(
+                    (
+                        row.geometry,
+                        row.kernel,
+                        row.source,
+                        str(row.compared),
+                        "-" if row.max_error is None else f"{row.max_error:.2e}",
+                        "-" if row.foreign_bytes is None else str(row.foreign_bytes),
+                        f"{row.bound_value:.3g}",
+                        f"{row.margin:.2f}",
+                        row.verdict,
+                    )
+                )
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        lines = []
+        for i, cells in enumerate(table):
+            lines.append("  ".join(cell.ljust(widths[k]) for k, cell in enumerate(cells)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return lines
+
+    def kernel_timing_json(self) -> dict[str, Any]:
+        """The timed step's reading kernels: microseconds of the fix's default
+        layout and of the baseline, and the ratio with its quartiles."""
+        timing = self.kernel_timing
         return {
-            "timed": any(v is not None for row in us.values() for v in row.values()),
-            "note": "; ".join(notes) or None,
+            "timed": bool(timing.kernels),
+            "note": timing.note,
+            "what": WHAT_IS_TIMED,
             "step": TIMED_STEP,
+            "baseline": timing.baseline,
+            "baseline_is": BASELINES.get(timing.baseline or ""),
             "warmup_rounds": clock.WARMUP,
             "median_of": clock.REPEATS,
-            "us": us,
-            "ratio_fix_over_upstream": {
-                k: _rounded(clock.ratio(fix.get(k), upstream.get(k)), 3) for k in TIMED_KERNELS
+            "work": timing.work,
+            "kernels": {
+                kernel: {
+                    "fix_us": round(t.fix_us, 2),
+                    "baseline_us": round(t.baseline_us, 2),
+                    "ratio_fix_over_baseline": round(t.ratio, 3),
+                    "ratio_quartiles": [round(q, 3) for q in t.ratio_quartiles],
+                }
+                for kernel, t in timing.kernels.items()
             },
         }
 
     def timing_lines(self) -> list[str]:
-        timing = self.decode_timing()
-        head = (
-            f"kernel time per decode step ('{timing['step']}', median of "
-            f"{timing['median_of']} after {timing['warmup_rounds']} warm-up rounds, us)"
-        )
-        if not timing["timed"]:
-            return ["", f"{head}: {timing['note'] or 'not timed'}"]
-        lines = ["", f"{head}:"]
+        timing = self.kernel_timing
+        head = f"reading kernels of the decode step '{TIMED_STEP}' (us)"
+        if not timing.kernels:
+            return ["", f"{head}: {timing.note or 'not timed'}"]
+        lines = [
+            "",
+            f"{head}, alone, the fix's layout against {BASELINES[timing.baseline or '']} "
+            f"(median of {clock.REPEATS} interleaved rounds after {clock.WARMUP} warm-up rounds):",
+        ]
         for kernel in TIMED_KERNELS:
-            cells = [f"{g} {_cell(row[kernel])}" for g, row in timing["us"].items()]
-            cells.append(f"fix/upstream {_cell(timing['ratio_fix_over_upstream'][kernel])}")
-            lines.append(f"    {kernel}: " + " | ".join(cells))
-        if timing["note"]:
-            lines.append(f"    note: {timing['note']}")
+            t = timing.kernels.get(kernel)
+            if t is None:
+                lines.append(f"    {kernel}: not timed (stand-in)")
+                continue
+            low, high = t.ratio_quartiles
+            lines.append(
+                f"    {kernel}: fix {t.fix_us:.1f} | baseline {t.baseline_us:.1f} | "
+                f"fix/baseline {t.ratio:.3f} (quartiles {low:.3f}-{high:.3f})"
+            )
+        if timing.note:
+            lines.append(f"    note: {timing.note}")
         return lines
 
     def bound_lines(self) -> list[str]:
@@ -385,16 +401,9 @@ class Report:
                 seen.setdefault(row.kernel, row.bound)
         lines = ["", "bounds (error/bound <= 1 passes; a wrong page reads 0.7 to 1e11):"]
         for kernel, bound in seen.items():
-            lines.append(f"    {kernel}: {bound.value:.3g}, of {bound.measure}; {bound.formula}")
+            value = "per element" if bound.per_element else f"{bound.value:.3g}"
+            lines.append(f"    {kernel}: {value}, of {bound.measure}; {bound.formula}")
         return lines
-
-
-def _rounded(value: float | None, digits: int = 1) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def _cell(value: float | None) -> str:
-    return "not timed" if value is None else f"{value:g}"
 
 
 def _block_size(result: GeometryResult) -> str:
