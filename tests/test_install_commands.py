@@ -23,7 +23,7 @@ from vllm_mla_fixes.fixes import ALL_FIXES
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL_DOC = ROOT / "docs" / "install.md"
 CHECKOUT_PLACEHOLDER = "/path/to/vllm-mla-fixes"
-COVERED = sorted({r for fix in ALL_FIXES for r in fix.INFO.affected_releases})
+COVERED = sorted({r for fix in ALL_FIXES for r in fix.INFO.covered_releases})
 
 
 def _section_block(heading: str) -> list[str]:

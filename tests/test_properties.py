@@ -566,14 +566,21 @@ def config_files(draw) -> bytes:
 
 def _doctor_keeps_vllms_word(worker, serve: list[str], cwd: Path, env: dict | None = None) -> dict:
     """doctor --json on the line: the contract, and WILL FAIL wherever the
-    installed vLLM refuses to build the line's engine config."""
+    installed vLLM refuses to build the line's engine config -- except where
+    vLLM could not read the model's config for want of the hub (offline is a
+    state, not a line error: a warning naming it, issue 36)."""
     argv = ["doctor", "--json", "--", *serve]
     outcome = worker.run({"argv": argv, "cwd": str(cwd), "env": env or {}, "timeout": 300})
     report = assert_contract(argv, outcome)
     assert report is not None and "verdict" in report, outcome
     vllm = worker.run({"engine_config": serve, "cwd": str(cwd), "env": env or {}, "timeout": 300})
     assert vllm["status"] in (0, 2), vllm
-    if vllm["status"] == 2:
+    offline = any(
+        "cannot check the model's config: offline" in f["message"] for f in report["findings"]
+    )
+    if vllm["status"] == 2 and offline:
+        assert report["verdict"] == "READY WITH WARNINGS", (serve, report["reason"])
+    elif vllm["status"] == 2:
         assert report["verdict"] == "WILL FAIL", (serve, vllm["stderr"][-2000:], report["reason"])
     return report
 

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import functools
 
+import fix_releases
 import pytest
 import torch
 
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry
 from vllm_mla_fixes.selftest import bounds as bd
 from vllm_mla_fixes.selftest import kernels as kn
 from vllm_mla_fixes.selftest import reference as ref
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(dsv41_sm120_geometry.INFO)
 
 
 def _plans(long: bool):

@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 import json
 
+import fix_releases
 import pytest
 import torch
 
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry
 from vllm_mla_fixes.selftest import clock
 
-DSV41 = ("0.32.0", "0.33.0", "0.34.0")
+DSV41 = fix_releases.covered(dsv41_sm120_geometry.INFO)
 
 
 def test_time_rounds_interleaves_reverses_and_drops_the_warm_up_rounds():
