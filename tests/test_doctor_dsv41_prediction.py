@@ -315,3 +315,35 @@ def test_doctor_command_on_the_report_line_with_dspark_without_a_gpu():
     # doctor's quote of 0.34.0's --block-size 128 error is the text vLLM raises
     # (tests/test_dsv41_release_0_34.py asserts repro.SPLIT_ERROR on the real code)
     assert fix.SPLIT_ERROR_0_34.removeprefix("ValueError: ") in repro.SPLIT_ERROR
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_doctor_stopped_by_sigterm_leaves_no_process_of_its_group():
+    """Issue 35, item 4: doctor decides in its own process (no prediction
+    child); stopped by SIGTERM midway, as systemd or Kubernetes stop it,
+    nothing of its process group is left after 5 s."""
+    import signal
+    import time
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    model = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
+    doctor = subprocess.Popen(
+        [sys.executable, "-m", "vllm_mla_fixes", "doctor", "--json", "--"]
+        + ["vllm", "serve", str(model), "--block-size", "128"],
+        env=env,
+        start_new_session=True,  # its own group, as a service manager starts it
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(8)  # midway: vLLM imported, the line being judged
+        os.kill(doctor.pid, signal.SIGTERM)
+        doctor.wait(timeout=5)
+        time.sleep(1)
+        left = subprocess.run(["pgrep", "-g", str(doctor.pid)], capture_output=True, text=True)
+        assert left.stdout.split() == []
+    finally:
+        if doctor.poll() is None:
+            os.killpg(doctor.pid, signal.SIGKILL)
+            doctor.wait(timeout=5)
