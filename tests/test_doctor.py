@@ -176,10 +176,12 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     )
     findings = [f for f in _findings(proc) if f["topic"] == INFO.name]
     text = " | ".join(f["message"] for f in findings)
-    # upstream's own layout for the line, started as vLLM starts it (issue 25): the
-    # MXFP4 indexer stops it on SM120 before any page is laid out
+    # upstream's own layout for the line, held against the kernels' own envelopes:
+    # FlashInfer's SM120 sparse MLA is what rejects the 32-row sliding-window page
+    # (not DeepGEMM, as the original report said)
     assert (
-        "upstream's --block-size 128 layout does not start: indexer_kv_dtype='mxfp4' requires"
+        "upstream's --block-size 128 layout starts, but FlashInfer SM120 sparse-MLA decode, "
+        "primary (sliding-window) cache rejects the sliding-window KV pages of 32 rows"
         in text
     )
     assert "indexer_kv_dtype='mxfp4' requires SM10x" in text
@@ -399,18 +401,18 @@ def test_every_pip_remedy_is_one_of_the_checked_ones():
 @pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     """doctor's geometry finding is the fix's own decision on the line's engine
-    config (``diagnose`` runs the prediction in a fresh interpreter; here in-process)."""
+    config (``diagnose`` runs the same prediction in its own process)."""
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as dsv41_doctor
-    from vllm_mla_fixes.reproductions import dsv41_prediction
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.prediction import predict
 
     model = str(ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41")
 
     def geometry_line(*flags: str) -> str:
-        predicted = dsv41_prediction.predict(["serve", model, *flags])
+        predicted = predict(["vllm", "serve", model, *flags])
         (line,) = [
             f.message
-            for f in dsv41_doctor._prediction_findings(predicted)
+            for f in dsv41_doctor.prediction_findings(predicted)
             if "geometry:" in f.message
         ]
         return line
@@ -431,9 +433,9 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     # vLLM's own checks speak for a line it would refuse: its config, and its
     # planner (DeepSeek-V4.1's sliding-window caches cannot take DCP)
     with pytest.raises(ValueError, match="tp_size=1 must be divisible by dcp_size=2"):
-        dsv41_prediction.predict(["serve", model, "-dcp", "2"])
+        predict(["vllm", "serve", model, "-dcp", "2"])
     with pytest.raises(AssertionError, match="DCP not support sliding window"):
-        dsv41_prediction.predict(["serve", model, "-tp", "2", "-dcp", "2"])
+        predict(["vllm", "serve", model, "-tp", "2", "-dcp", "2"])
 
 
 def test_each_fix_diagnoses_itself_and_doctor_names_no_fix():

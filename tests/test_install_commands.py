@@ -53,7 +53,10 @@ def _scratch_venv(path: Path) -> dict[str, str]:
     """A fresh environment with pip, and the shell environment that has it active."""
     subprocess.run(["uv", "venv", "-q", "--seed", "-p", sys.executable, str(path)], check=True)
     tools = Path(sys.executable).parent  # uv, as the operator's `pip install uv` gives it
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # nox's uv sessions set UV_PYTHON and UV_PROJECT_ENVIRONMENT to the session's
+    # environment, which uv would install into instead of the active one.
+    inherited_targets = ("PYTHONPATH", "VIRTUAL_ENV", "UV_PYTHON", "UV_PROJECT_ENVIRONMENT")
+    env = {k: v for k, v in os.environ.items() if k not in inherited_targets}
     env.update(
         VIRTUAL_ENV=str(path),
         PATH=os.pathsep.join([str(path / "bin"), str(tools), env.get("PATH", "")]),

@@ -161,6 +161,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
         repro.attach_model(config, text, (), int(length))
         engine = engine_config(config)
         decision = decide_for(engine, config)
+        _planner_refusal(engine, config, decision, block_size)
         best = _best_working_upstream(engine, config, decision)
     heads = int(text.get("num_attention_heads", FLASH_HEADS))
     tp = int(args.tensor_parallel_size or 1)
@@ -195,6 +196,23 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
         shapes=shapes,
         shape_problem=problem,
     )
+
+
+def _planner_refusal(engine: EngineConfig, config: Any, decision: Decision, block_size: int) -> None:
+    """Where the decision planned nothing, vLLM's planner still has its say on
+    the line's own block size: its ValueError or AssertionError (context
+    parallelism with sliding windows, for one) reaches doctor in vLLM's words."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import upstream_tokens
+
+    planned = decision.fix_tokens is not None or decision.upstream_tokens is not None
+    if planned or engine.model is None or engine.max_model_len is None:
+        return
+    try:
+        upstream_tokens(engine, config, block_size)
+    except (ValueError, AssertionError):
+        raise
+    except Exception:  # noqa: BLE001 - not plannable here: the decision's evidence says so
+        return
 
 
 def _best_working_upstream(
