@@ -181,8 +181,7 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     # (not DeepGEMM, as the original report said)
     assert (
         "upstream's --block-size 128 layout starts, but FlashInfer SM120 sparse-MLA decode, "
-        "primary (sliding-window) cache rejects the sliding-window KV pages of 32 rows"
-        in text
+        "primary (sliding-window) cache rejects the sliding-window KV pages of 32 rows" in text
     )
     assert "indexer_kv_dtype='mxfp4' requires SM10x" in text
     assert "--moe-backend triton is not supported on SM120" in text

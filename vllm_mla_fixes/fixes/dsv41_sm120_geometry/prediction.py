@@ -198,7 +198,9 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
     )
 
 
-def _planner_refusal(engine: EngineConfig, config: Any, decision: Decision, block_size: int) -> None:
+def _planner_refusal(
+    engine: EngineConfig, config: Any, decision: Decision, block_size: int
+) -> None:
     """Where the decision planned nothing, vLLM's planner still has its say on
     the line's own block size: its ValueError or AssertionError (context
     parallelism with sliding windows, for one) reaches doctor in vLLM's words."""
