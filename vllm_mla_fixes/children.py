@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -59,9 +60,16 @@ def end_group(leader: int) -> None:
 
 
 def end_all() -> None:
-    """End every child group started and not yet ended."""
+    """End every child group started and not yet ended: those registered, and
+    any child ``multiprocessing`` started here that is not registered yet (a
+    signal between its ``start()`` and :func:`register`; left alive, it would
+    wait for its parent to die while ``multiprocessing``'s exit handler waits
+    for it)."""
     with _live_lock:
-        leaders = list(_live)
+        leaders = set(_live)
+    started = sys.modules.get("multiprocessing")  # never imported here: nothing it started
+    if started is not None:
+        leaders.update(p.pid for p in started.active_children() if p.pid is not None)
     for leader in leaders:
         end_group(leader)
 
