@@ -92,8 +92,8 @@ def exited(pid: int, timeout: float) -> bool:
 @contextlib.contextmanager
 def supervised() -> Iterator[None]:
     """Inside this block a SIGTERM or SIGINT first ends every child group,
-    then acts as it did before; leaving the block ends the groups still
-    running.  Signal handlers belong to the main thread: elsewhere only the
+    then acts as it did before (one the process ignores stays ignored);
+    leaving the block ends the groups still running.  Signal handlers belong to the main thread: elsewhere only the
     ending on leaving applies."""
     if threading.current_thread() is not threading.main_thread():
         try:
@@ -113,7 +113,8 @@ def supervised() -> Iterator[None]:
             os.kill(os.getpid(), signum)
 
     for signum in STOPPING_SIGNALS:
-        signal.signal(signum, on_signal)
+        if previous[signum] != signal.SIG_IGN:  # nohup, or a background job's SIGINT: stays ignored
+            signal.signal(signum, on_signal)
     try:
         yield
     finally:
