@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import shlex
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
@@ -312,7 +313,7 @@ def parse_serve_args(argv: list[str]) -> ServeLine:
     )
 
 
-def _scalar(text: str):
+def _scalar(text: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -574,7 +575,7 @@ def report(
     serve: ServeLine | None,
     findings: list[Finding],
     as_json: bool = False,
-    print_=print,
+    print_: Callable[[str], object] = print,
 ) -> int:
     """Print the report and its verdict; return the verdict's exit status."""
     findings = [
@@ -605,7 +606,10 @@ def report(
 
 
 def _print_human(
-    env: Environment, serve: ServeLine | None, findings: list[Finding], print_
+    env: Environment,
+    serve: ServeLine | None,
+    findings: list[Finding],
+    print_: Callable[[str], object],
 ) -> None:
     print_(f"vllm-mla-fixes {__version__} doctor")
     print_("Environment")

@@ -10,9 +10,12 @@ import dataclasses
 import re
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
+
+if TYPE_CHECKING:  # for annotations only: at run time this module imports none of the package
+    from vllm_mla_fixes.patching import FixStatus
 
 SPARSE_MLA_ARCHITECTURES = frozenset({"GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"})
 MLA_ARCHITECTURES = SPARSE_MLA_ARCHITECTURES | {
@@ -205,7 +208,7 @@ def covered_failure(env: Environment, name: str, failure: str) -> Finding:
     return Finding("error", name, failure)
 
 
-def release_finding(name: str, decided, newest_reviewed: str) -> Finding:
+def release_finding(name: str, decided: FixStatus, newest_reviewed: str) -> Finding:
     """doctor's finding when the release alone decides fix ``name``: the same
     rule as the plugin's (``decided`` is the gate's ``FixStatus``, from
     ``patching.release_decision``)."""

@@ -88,7 +88,7 @@ def _constants(fix: ModuleType) -> str:
     (``REVIEWED``, reviewed signatures, ...), in a form stable across
     processes: a runtime change to one is a different key."""
 
-    def canonical(value):
+    def canonical(value: object) -> object:
         if isinstance(value, (set, frozenset)):  # iteration order varies with hash seeds
             return sorted((canonical(v) for v in value), key=repr)
         if isinstance(value, dict):

@@ -152,11 +152,11 @@ def _watched_handlers(watchdog: _Watchdog) -> list[urllib.request.BaseHandler]:
             watchdog.watch(self.sock)
 
     class HTTPHandler(urllib.request.HTTPHandler):
-        def http_open(self, req):
+        def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
             return self.do_open(WatchedHTTP, req)
 
     class HTTPSHandler(urllib.request.HTTPSHandler):
-        def https_open(self, req):
+        def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
             return self.do_open(WatchedHTTPS, req)
 
     return [HTTPHandler(), HTTPSHandler()]
@@ -187,7 +187,7 @@ class _Client:
         if self.watchdog.expired.is_set() or time.monotonic() >= self.deadline_at:
             raise DeadlinePassed
 
-    def request(self, path: str, body: dict | None = None):
+    def request(self, path: str, body: dict | None = None) -> http.client.HTTPResponse:
         self.check_deadline()
         left = self.deadline_at - time.monotonic()
         # every read waits at most this long; the watchdog bounds the whole
@@ -225,7 +225,7 @@ class _Client:
         return f"{type(exc).__name__}: {exc}"
 
 
-def _json(raw: bytes, what: str):
+def _json(raw: bytes, what: str) -> object:
     try:
         return json.loads(raw)
     except ValueError:

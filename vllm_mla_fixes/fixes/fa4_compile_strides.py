@@ -71,11 +71,17 @@ import importlib
 import logging
 import os
 import sys
+import typing
 from types import ModuleType
 from typing import Any
 
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
+
+# typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
+# on the module's upper-case names (screen_cache._constants).
+if typing.TYPE_CHECKING:
+    from vllm_mla_fixes.report import Environment, Finding, ServeLine
 
 INFO = FixInfo(
     name="fa4-compile-strides",
@@ -241,8 +247,12 @@ def symbolic_spec_converter(original: Any) -> Any:
 
     @functools.wraps(original)
     def to_cute_tensor(
-        t, assumed_align=16, leading_dim=-1, fully_dynamic=False, enable_tvm_ffi=True
-    ):
+        t: Any,  # a torch tensor, or a compile-only spec of flash-attention's
+        assumed_align: int = 16,
+        leading_dim: int = -1,
+        fully_dynamic: bool = False,
+        enable_tvm_ffi: bool = True,
+    ) -> object:  # a CuTe tensor of the installed cutlass-dsl
         # Runs for every tensor of every FA4 call: real tensors take the cheap
         # isinstance exit (a failing hasattr on a tensor costs ~1 us).
         if isinstance(t, torch.Tensor) or not hasattr(t, "_cute_tensor"):
@@ -368,7 +378,7 @@ CUTLASS_PIN_AFFECTED = "4.5.2"  # what 0.25.0/0.25.1 pin
 DISK_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
-def diagnose(env, serve) -> list:
+def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
@@ -431,7 +441,7 @@ def diagnose(env, serve) -> list:
     return [*findings, _diagnose_fix_state(as_sm100_node(env), workaround=avoided is not None)]
 
 
-def _avoided_by_the_line(serve):
+def _avoided_by_the_line(serve: ServeLine | None) -> Finding | None:
     """Why the line itself cannot meet the failure ("ok"), or the workaround
     it carries ("info"); None where neither."""
     from vllm_mla_fixes.report import MLA_ARCHITECTURES
@@ -482,7 +492,7 @@ SM100_NODE = "an SM100/SM103 serving node"
 CANNOT_PROBE = "cannot probe here"
 
 
-def as_sm100_node(env):
+def as_sm100_node(env: Environment) -> Environment:
     """``env`` as an SM100/SM103 node that serves the line sees this fix, where
     no GPU is visible here: there vLLM's CUDA flash-attention extension loads,
     so the plugin's probe is the source screen (the functional probe runs in
@@ -506,7 +516,7 @@ def as_sm100_node(env):
     )
 
 
-def _diagnose_fix_state(env, workaround: bool):
+def _diagnose_fix_state(env: Environment, workaround: bool) -> Finding:
     from vllm_mla_fixes.report import Finding as F
     from vllm_mla_fixes.report import fix_verdict
 

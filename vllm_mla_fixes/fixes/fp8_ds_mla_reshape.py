@@ -41,6 +41,10 @@ import functools
 import inspect
 import math
 import sys
+import typing
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeVar
 
 from vllm_mla_fixes.patching import (
     Definition,
@@ -50,6 +54,13 @@ from vllm_mla_fixes.patching import (
     find_definition,
     vllm_source,
 )
+
+# typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
+# on the module's upper-case names (screen_cache._constants).
+if typing.TYPE_CHECKING:
+    from vllm_mla_fixes.report import Environment, Finding, ServeLine
+
+_R = TypeVar("_R")
 
 INFO = FixInfo(
     name="fp8-ds-mla-reshape",
@@ -177,11 +188,11 @@ def source_screen() -> str | None:
     return None
 
 
-def _derive_quant_mode(original_post_init):
+def _derive_quant_mode(original_post_init: Callable[[Any], None]) -> Callable[[Any], None]:
     from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
 
     @functools.wraps(original_post_init)
-    def post_init_with_quant_mode(self):
+    def post_init_with_quant_mode(self: Any) -> None:  # self: an MLA KV-cache spec of vLLM's
         original_post_init(self)
         if self.kv_quant_mode is KVQuantMode.NONE and self.cache_dtype_str == FP8_DS_MLA:
             object.__setattr__(self, "kv_quant_mode", get_kv_quant_mode(FP8_DS_MLA))
@@ -195,11 +206,11 @@ def _calling_layer_name() -> str:
     return str(frame.f_locals.get("layer_name", "<unknown layer>"))
 
 
-def _with_layout_check(original_reshape):
+def _with_layout_check(original_reshape: Callable[..., _R]) -> Callable[..., _R]:
     signature = inspect.signature(original_reshape)
 
     @functools.wraps(original_reshape)
-    def reshape_with_layout_check(*args, **kwargs):
+    def reshape_with_layout_check(*args: object, **kwargs: object) -> _R:
         bound = signature.bind(*args, **kwargs)
         raw, spec, shape = (bound.arguments[p] for p in RESHAPE_PARAMS[:3])
         if bound.arguments["packing"] is None and spec.page_size_padded is None:
@@ -230,7 +241,7 @@ def apply(patch: Patch) -> None:
             spec_class, "__post_init__", _derive_quant_mode(spec_class.__dict__["__post_init__"])
         )
 
-    def install_guard(module) -> None:
+    def install_guard(module: ModuleType) -> None:
         original = getattr(module, RESHAPE_FUNCTION, None)
         if original is None or tuple(inspect.signature(original).parameters) != RESHAPE_PARAMS:
             return  # probe checked the source; a different module object is left alone
@@ -242,7 +253,7 @@ def apply(patch: Patch) -> None:
 # -- doctor ------------------------------------------------------------------------
 
 
-def diagnose(env, serve) -> list:
+def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""

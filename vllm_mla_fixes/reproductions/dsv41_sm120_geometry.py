@@ -26,10 +26,10 @@ import ast
 import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from types import ModuleType, SimpleNamespace
+from typing import Any, Literal
 
 import torch
 
@@ -99,7 +99,7 @@ def make_vllm_config(
     block_size: int,
     num_gpu_blocks_override: int | None = None,
     settings: EngineSettings | None = None,
-):
+) -> Any:  # a vllm.config.VllmConfig
     """A real ``VllmConfig`` as an SM120 serve with ``--kv-cache-dtype fp8
     --block-size B`` has it when the model's layers are built, plus the
     serve line's ``settings`` where given.  The hybrid KV cache manager is on,
@@ -127,7 +127,7 @@ STAND_IN_MAX_MODEL_LEN = 8192  # the scheduler's own default where no model sets
 
 
 def attach_model(
-    vllm_config,
+    vllm_config: Any,  # a vllm.config.VllmConfig
     model: dict,
     drafter_ratios: tuple[int, ...] = (),
     max_model_len: int = STAND_IN_MAX_MODEL_LEN,
@@ -162,7 +162,7 @@ def attach_model(
 
 
 def build_layers(
-    vllm_config,
+    vllm_config: Any,  # a vllm.config.VllmConfig
     model: dict,
     drafter_ratios: tuple[int, ...] = (),
     only: Iterable[int] | None = None,
@@ -254,7 +254,7 @@ def build_layers(
 # -------------------------------------------------------------- vLLM's pipeline
 
 
-def _planner():
+def _planner() -> ModuleType:
     """Module with ``get_kv_cache_groups``/``get_kv_cache_config_from_groups``
     (moved to ``kv_cache_planning`` in 0.33)."""
     try:
@@ -529,7 +529,7 @@ def flashinfer_primary_page(kv_cache: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def sm120_platform(capability: tuple[int, int] = (12, 0), num_sms: int = 188):
+def sm120_platform(capability: tuple[int, int] = (12, 0), num_sms: int = 188) -> Iterator[None]:
     """vLLM's current platform answering hardware queries as an SM120 GPU's
     driver would (default: an RTX PRO 6000 Blackwell, 188 SMs).  Only the
     queries are stood in (``get_device_capability``, ``num_compute_units``:
@@ -584,13 +584,13 @@ class applied:
         self.capability = capability
         self.result: patching.AppliedFix | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> patching.AppliedFix:
         from vllm_mla_fixes.patching import run_fix
 
         self.result = run_fix(fix.for_capability(self.capability), _installed_vllm())
         return self.result
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         if self.result is not None and self.result.patch is not None:
             self.result.patch.revert()
         return False

@@ -47,10 +47,14 @@ import signal
 import sys
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vllm_mla_fixes import atomic
+
+if TYPE_CHECKING:  # imported at run time by prepare(), after the environment is set
+    import torch
 
 NUM_HEADS = 8  # Kimi-K2.5 per rank at TP8
 QK_HEAD_DIM = 192  # nope 128 + rope 64
@@ -259,12 +263,12 @@ class _KeyLog(dict):
 
     looked_up: list
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         self.looked_up.append(key)
         return super().__contains__(key)
 
 
-def forward_cache(env) -> _KeyLog:
+def forward_cache(env: types.SimpleNamespace) -> _KeyLog:
     """The dict behind ``_flash_attn_fwd.compile_cache`` (the current one:
     the fix replaces the cache object), with lookups noted."""
     cache = env.interface._flash_attn_fwd.compile_cache
@@ -279,7 +283,7 @@ def forward_cache(env) -> _KeyLog:
 # Compiling through vLLM's warm-up
 
 
-def warmup_requests(env):
+def warmup_requests(env: types.SimpleNamespace) -> list[Any]:  # vLLM's compile requests
     """vLLM's FA4 MLA-prefill warm-up plan for this shape, in its order."""
     ctx = env.warmup.FA4MLAPrefillCompileContext(
         dtype=env.torch.bfloat16,
@@ -295,7 +299,7 @@ def warmup_requests(env):
     return list(env.warmup.iter_fa4_mla_prefill_compile_requests(ctx))
 
 
-def probe_name(request) -> str:
+def probe_name(request: Any) -> str:  # one of warmup_requests()
     s = request.compile_spec
     return (
         f"q{s.max_seqlen_q}_k{s.max_seqlen_k}_{'causal' if s.causal else 'full'}"
@@ -303,7 +307,7 @@ def probe_name(request) -> str:
     )
 
 
-def compile_warmup(env, which: str, phase: str) -> list[dict]:
+def compile_warmup(env: types.SimpleNamespace, which: str, phase: str) -> list[dict]:
     """Compile warm-up requests: ``report`` (the report's kernel),
     ``context`` (the requests a context chunk uses: full mask, LSE; 6
     requests, 4 kernels) or ``all`` (the whole warm-up plan).  One record
@@ -355,7 +359,7 @@ class Plan:
         return self.split_out[0] if self.split_out else 1
 
 
-def plan(env, step: Step) -> Plan:
+def plan(env: types.SimpleNamespace, step: Step) -> Plan:
     """Let vLLM's ``_flash_attn_fwd`` pick the kernel and buffers for this
     context chunk (FakeTensorMode, ``compile_only=True``; nothing launches)."""
     torch = env.torch
@@ -365,7 +369,13 @@ def plan(env, step: Step) -> Plan:
     allocations: list[tuple[tuple[int, ...], object]] = []
 
     class Allocations(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(
+            self,
+            func: Any,  # a torch OpOverload
+            types: Sequence[type],
+            args: Sequence[object] = (),
+            kwargs: Mapping[str, object] | None = None,
+        ) -> object:  # what the operator returns
             result = func(*args, **(kwargs or {}))
             if func is torch.ops.aten.empty.memory_format:
                 allocations.append((tuple(result.shape), result.dtype))
@@ -412,7 +422,7 @@ def plan(env, step: Step) -> Plan:
     return Plan(key=key, hit=hit, split_out=split_out, split_lse=split_lse, error=error)
 
 
-def _dlpack_as_cuda(torch, tensor):
+def _dlpack_as_cuda(torch: types.ModuleType, tensor: torch.Tensor) -> object:  # a tvm_ffi.Tensor
     """``tensor`` (CPU) as a TVM-FFI tensor whose DLPack device says CUDA:0."""
     import tvm_ffi
 
@@ -426,7 +436,7 @@ def _dlpack_as_cuda(torch, tensor):
     return tvm_ffi.from_dlpack(capsule)
 
 
-def call_arguments(env, step: Step, p: Plan) -> list:
+def call_arguments(env: types.SimpleNamespace, step: Step, p: Plan) -> list:
     """The arguments vLLM's ``_flash_attn_fwd`` passes an SM100 forward kernel
     for this context chunk, on CPU memory."""
     torch = env.torch
@@ -509,7 +519,7 @@ def in_child(work: Callable[[], dict], timeout: float = CALL_TIMEOUT_S) -> dict:
 _primed: set[int] = set()
 
 
-def prime(env, kernel, step: Step, p: Plan) -> None:
+def prime(env: types.SimpleNamespace, kernel: Callable[..., object], step: Step, p: Plan) -> None:
     """Pay a compiled function's one-time set-up (about a second on the first
     call) in this process, so that forked children inherit it: call it once
     with a float32 query, which the first argument check rejects -- nothing
@@ -528,7 +538,7 @@ def prime(env, kernel, step: Step, p: Plan) -> None:
     _primed.add(id(kernel))
 
 
-def run_step(env, step: Step, phase: str) -> dict:
+def run_step(env: types.SimpleNamespace, step: Step, phase: str) -> dict:
     """Plan ``step`` with vLLM, then call the cached kernel in a child."""
     start = time.perf_counter()
     p = plan(env, step)
@@ -565,7 +575,7 @@ def run_step(env, step: Step, phase: str) -> dict:
 # The scenario: reproduce, fix, re-run, sweep
 
 
-def apply_fix(env) -> str:
+def apply_fix(env: types.SimpleNamespace) -> str:
     from vllm_mla_fixes.fixes import fa4_compile_strides
     from vllm_mla_fixes.patching import run_fix
 
@@ -737,7 +747,7 @@ def _child(args: list[str], timeout: float) -> tuple[dict | None, str]:
             return json.load(f), ""
 
 
-def verify(report) -> bool:
+def verify(report: Callable[[str], None]) -> bool:
     """``vllm-mla-fixes verify``: check FA4 on this install; where it has the
     bug, reproduce the upstream error on CPU through vLLM's warm-up kernel,
     then show the fix removes it (a child interpreter, 5 CuTe compiles: about
@@ -764,7 +774,7 @@ def verify(report) -> bool:
     return summarize(result, report)
 
 
-def summarize(result: dict, report) -> bool:
+def summarize(result: dict, report: Callable[[str], None]) -> bool:
     """Report lines for a scenario result; whether it shows bug then fix."""
     calls = {(c["phase"], c["total_q"]): c for c in result["calls"]}
     for c in result["compiles"]:

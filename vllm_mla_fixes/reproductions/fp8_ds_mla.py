@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MethodType, SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ def make_vllm_config(
     )
 
 
-def layer_specs(model: dict, vllm_config) -> dict:
+def layer_specs(model: dict, vllm_config: SimpleNamespace) -> dict:
     """The KV-cache spec of every MLA and indexer layer, from vLLM's own producers.
 
     ``MLAAttention.__init__`` has already turned ``--kv-cache-dtype fp8`` into
@@ -99,7 +101,9 @@ def layer_specs(model: dict, vllm_config) -> dict:
     return specs
 
 
-def profiling_kv_cache_config(model: dict, max_num_seqs: int = MAX_NUM_SEQS):
+def profiling_kv_cache_config(
+    model: dict, max_num_seqs: int = MAX_NUM_SEQS
+) -> tuple[Any, dict]:  # vLLM's KVCacheConfig, the layer specs
     """What ``GPUModelRunner._init_minimal_kv_cache_for_profiling`` builds."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
@@ -110,7 +114,9 @@ def profiling_kv_cache_config(model: dict, max_num_seqs: int = MAX_NUM_SEQS):
     return get_kv_cache_config_from_groups(vllm_config, groups, available_memory=0), specs
 
 
-def engine_kv_cache_config(model: dict, num_blocks: int):
+def engine_kv_cache_config(
+    model: dict, num_blocks: int
+) -> tuple[Any, dict]:  # vLLM's KVCacheConfig, the layer specs
     """What the engine core plans from the workers' specs, given memory for ``num_blocks``."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
@@ -121,7 +127,7 @@ def engine_kv_cache_config(model: dict, num_blocks: int):
     return config, specs
 
 
-def _attention_groups(kv_cache_config):
+def _attention_groups(kv_cache_config: Any) -> list[list[Any]]:  # vLLM's AttentionGroups
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
     from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
@@ -151,7 +157,7 @@ def _attention_groups(kv_cache_config):
     return groups
 
 
-def views_v1_runner(kv_cache_config) -> dict[str, torch.Tensor]:
+def views_v1_runner(kv_cache_config: Any) -> dict[str, torch.Tensor]:
     """Allocate and view the caches with the real V1 ``GPUModelRunner`` methods."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -176,7 +182,7 @@ def views_v1_runner(kv_cache_config) -> dict[str, torch.Tensor]:
     return runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
 
 
-def views_model_runner_v2(kv_cache_config) -> dict[str, torch.Tensor]:
+def views_model_runner_v2(kv_cache_config: Any) -> dict[str, torch.Tensor]:
     """Allocate and view the caches with Model Runner V2's real functions."""
     from vllm.v1.worker.gpu import attn_utils
 
@@ -226,7 +232,7 @@ UPSTREAM_ERRORS = {
 }
 
 
-def verify(report) -> bool:
+def verify(report: Callable[[str], None]) -> bool:
     """Reproduce both start-up paths on the installed vLLM, then apply the fix and redo them."""
     from vllm_mla_fixes import installed_vllm_version
     from vllm_mla_fixes.fixes import fp8_ds_mla_reshape

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.patching import AppliedFix
 
 
 class FixUnavailable(RuntimeError):
@@ -12,7 +17,7 @@ class FixUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def applied_fix(capability: tuple[int, int] = (12, 0)):
+def applied_fix(capability: tuple[int, int] = (12, 0)) -> Iterator[AppliedFix]:
     """The fix applied to the installed vLLM as on an SM12x device, through
     the same ``run_fix`` the plugin's ``register()`` uses; reverted on exit."""
     import vllm
@@ -32,7 +37,7 @@ def applied_fix(capability: tuple[int, int] = (12, 0)):
 
 
 @contextlib.contextmanager
-def untranslated_ratio1_slots():
+def untranslated_ratio1_slots() -> Iterator[None]:
     """Inside :func:`applied_fix`: the fix's split with its ratio-1 slot
     translation taken out (vLLM's own ``AttentionGroup._with_kernel_block_table``
     back in place), so the ratio-1 writers keep manager-block slots -- the

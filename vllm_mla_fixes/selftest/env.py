@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 REQUIRED_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -59,7 +60,7 @@ def interpreter_problem() -> str | None:
 
 
 @contextlib.contextmanager
-def one_torch_thread():
+def one_torch_thread() -> Iterator[None]:
     """PyTorch on one thread meanwhile.  The harness's CPU tensors are small
     (one attention row: 8 x 512 against a few hundred rows): a second intra-op
     thread saves nothing and, on a loaded machine, makes each op wait for a
@@ -76,7 +77,7 @@ def one_torch_thread():
 
 
 @contextlib.contextmanager
-def drafter_pages_at_128():
+def drafter_pages_at_128() -> Iterator[None]:
     """A DSpark drafter's sliding-window pages kept at 128 rows meanwhile
     (``VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS=128``, which skips the fix's
     planning).  The self-test checks the layout an engine with several
@@ -101,7 +102,9 @@ def drafter_pages_at_128():
 
 
 @contextlib.contextmanager
-def simulated_sm120_host(capability: tuple[int, int] = (12, 0), sm_count: int = 188):
+def simulated_sm120_host(
+    capability: tuple[int, int] = (12, 0), sm_count: int = 188
+) -> Iterator[object]:  # yields vLLM's current platform
     """vLLM's platform reports ``capability`` and no pinned memory meanwhile."""
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability

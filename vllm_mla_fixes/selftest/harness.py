@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -43,8 +43,28 @@ from . import kernels as kn
 from . import records
 from . import reference as ref
 from .env import drafter_pages_at_128, one_torch_thread, simulated_sm120_host
-from .layout import GEOMETRIES, CacheLayer, Layout, TinyModel, build_layout, describe
-from .timeline import CASES, PROMPTS, TIMELINE, Batch, BlockScheduler, StepPlan, Worker
+from .layout import (
+    GEOMETRIES,
+    CacheLayer,
+    Geometry,
+    Layout,
+    TinyModel,
+    build_layout,
+    describe,
+)
+from .timeline import (
+    CASES,
+    PROMPTS,
+    TIMELINE,
+    Batch,
+    BlockScheduler,
+    ReplayView,
+    StepPlan,
+    Worker,
+)
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.patching import AppliedFix
 
 SENTINEL = 0xA5
 # How far a read may be off against the dense reference: :mod:`.bounds` derives
@@ -198,7 +218,7 @@ class Inputs:
             for s in model.kv_sources
         }
 
-    def randn(self, *shape, scale: float = 1.0) -> torch.Tensor:
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=self.gen) * scale).to(torch.bfloat16)
 
     def rows(
@@ -329,7 +349,9 @@ class Run:
             self.finished_blocks.update(self.scheduler.held[name])
             self.scheduler.finish(name)
 
-    def offload_and_reload(self, plan: StepPlan, name: str, block_ids) -> None:
+    def offload_and_reload(
+        self, plan: StepPlan, name: str, block_ids: tuple[list[int], ...]
+    ) -> None:
         """KV offloading of one request: copy out the regions vLLM's offloading
         connector moves for its blocks, clobber every page its blocks hold in
         the offloaded groups (as if the GPU blocks had been reused), copy the
@@ -396,7 +418,9 @@ class Run:
                 self.entering("")
         return True
 
-    def timed(self, kernel: str, layer: int, rows: int, call: Callable[[], object]):
+    def timed(
+        self, kernel: str, layer: int, rows: int, call: Callable[[], object]
+    ) -> Callable[[], object]:
         """``call``, its launches kept where it is the timed step's launch of a
         timed kernel on a backbone layer: every geometry has those (upstream's
         layout has no drafter layer), so each times the same work."""
@@ -487,7 +511,9 @@ class Run:
             slots.copy_(torch.arange(slots.numel(), device=slots.device))
             blocks.fill_(1)
 
-    def shared_prefix_bytes(self, batch: Batch, block_ids):
+    def shared_prefix_bytes(
+        self, batch: Batch, block_ids: dict[str, tuple[list[int], ...]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Bytes of the prefix-cache pages a request reuses (blocks another
         request wrote), to check that nothing writes them."""
         if "prefix-hit" not in batch.plan.cases:
@@ -522,12 +548,20 @@ class Run:
 
     # ---------------------------------------------------------- writes
 
-    def own_mask(self, cache: CacheLayer, names: list[str], block_ids) -> torch.Tensor:
+    def own_mask(
+        self, cache: CacheLayer, names: list[str], block_ids: dict[str, tuple[list[int], ...]]
+    ) -> torch.Tensor:
         ids = [b for name in names for b in block_ids[name][cache.group_id]]
         return self.layout.mask_of({cache.name: ids})
 
     def attributed(
-        self, plan: StepPlan, kernel: str, cache: CacheLayer, names, block_ids, write
+        self,
+        plan: StepPlan,
+        kernel: str,
+        cache: CacheLayer,
+        names: list[str],
+        block_ids: dict[str, tuple[list[int], ...]],
+        write: Callable[[], object],
     ) -> bool:
         storage = self.layout.storage
         before = storage.clone()
@@ -543,7 +577,7 @@ class Run:
             self.problem(plan, kernel, f"{cache.name}: {foreign} bytes written outside its pages")
         return True
 
-    def write(self, batch: Batch, block_ids) -> None:
+    def write(self, batch: Batch, block_ids: dict[str, tuple[list[int], ...]]) -> None:
         """Every cache's writer for the step, each write attributed, then the
         records it left kept and compared with the dense reference."""
         for write in (*self.swa_writes(batch), *self.latent_writes(batch)):
@@ -640,7 +674,13 @@ class Run:
             )
         return out
 
-    def write_checked(self, plan: StepPlan, write: Write, names, block_ids) -> bool:
+    def write_checked(
+        self,
+        plan: StepPlan,
+        write: Write,
+        names: list[str],
+        block_ids: dict[str, tuple[list[int], ...]],
+    ) -> bool:
         """The write, attributed (False where it was refused or failed).  The
         Triton interpreter has no memory protection: a write that would end
         outside the allocation is refused instead of corrupting the process."""
@@ -733,7 +773,9 @@ class Run:
             if batch.replay is not None and cache.layer >= model.cut:
                 self.read_indexer(batch, cache, batch.replay.metadata, batch.replay)
 
-    def request_rows(self, batch: Batch, replay) -> list[tuple[int, int, int, int]]:
+    def request_rows(
+        self, batch: Batch, replay: ReplayView | None
+    ) -> list[tuple[int, int, int, int]]:
         """(request, first row, end row, first position) of each real request
         in the batch (or in its kept rows)."""
         ranges = replay.token_ranges() if replay is not None else batch.token_ranges()
@@ -743,7 +785,12 @@ class Run:
             out.append((r, first, end, last_pos - (end - first)))
         return out
 
-    def fill_topk(self, reader, ratio: int, spans) -> dict[int, torch.Tensor]:
+    def fill_topk(
+        self,
+        reader: Any,  # vLLM's SM120 attention module of the layer
+        ratio: int,
+        spans: list[tuple[int, int, int, int]],
+    ) -> dict[int, torch.Tensor]:
         """Random local top-k rows (complete states only) for every row."""
         buffer = reader.topk_indices_buffer
         buffer.fill_(-1)
@@ -756,7 +803,14 @@ class Run:
                 buffer[row, : len(pick)] = chosen[row].to(buffer.device, torch.int32)
         return chosen
 
-    def read_attention(self, batch: Batch, layer: int, md, replay, lower: list[int]) -> None:
+    def read_attention(
+        self,
+        batch: Batch,
+        layer: int,
+        md: dict[str, Any],  # layer prefix -> vLLM's attention metadata
+        replay: ReplayView | None,
+        lower: list[int],
+    ) -> None:
         plan, model, inputs = batch.plan, self.model, self.inputs
         reader = self.layout.readers[layer]
         ratio = model.compress_ratios[layer]
@@ -821,7 +875,12 @@ class Run:
         self.check_attention(plan, layer, q, out, launches, truth, nd)
 
     def attention_truth(
-        self, batch: Batch, layer: int, spans, lower: list[int], chosen
+        self,
+        batch: Batch,
+        layer: int,
+        spans: list[tuple[int, int, int, int]],
+        lower: list[int],
+        chosen: dict[int, torch.Tensor],
     ) -> dict[int, tuple[list[torch.Tensor], torch.Tensor]]:
         """Per batch row: the records the writers stored for the tokens it
         should read (its window, then its chosen compressed states), raw per
@@ -845,7 +904,16 @@ class Run:
                 truth[row] = (segments, torch.cat(kv))
         return truth
 
-    def check_attention(self, plan, layer: int, q, out, launches, truth, nd: int) -> None:
+    def check_attention(
+        self,
+        plan: StepPlan,
+        layer: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        launches: list[kn.Launch],
+        truth: dict[int, tuple[list[torch.Tensor], torch.Tensor]],
+        nd: int,
+    ) -> None:
         """The records each launch read, byte for byte, then each row's output
         against the attention computed on exactly those records."""
         expected = {row: segments for row, (segments, _) in truth.items()}
@@ -919,7 +987,13 @@ class Run:
             self.rounding,
         )
 
-    def read_indexer(self, batch: Batch, cache: CacheLayer, md, replay) -> None:
+    def read_indexer(
+        self,
+        batch: Batch,
+        cache: CacheLayer,
+        md: dict[str, Any],  # layer prefix -> vLLM's attention metadata
+        replay: ReplayView | None,
+    ) -> None:
         imd = md[cache.name]
         spans = self.request_rows(batch, replay)
         if imd.num_decodes > 0 and imd.decode is not None:
@@ -929,7 +1003,13 @@ class Run:
                 if not chunk.skip_kv_gather and chunk.local_total_seq_lens:
                     self.read_gathered_keys(batch, cache, chunk, spans)
 
-    def read_logits(self, batch: Batch, cache: CacheLayer, decode, spans) -> None:
+    def read_logits(
+        self,
+        batch: Batch,
+        cache: CacheLayer,
+        decode: Any,  # the decode part of vLLM's indexer metadata
+        spans: list[tuple[int, int, int, int]],
+    ) -> None:
         """The indexer's decode logits over every state of each request, as
         ``sparse_attn_indexer`` asks DeepGEMM for them."""
         plan, model, device = batch.plan, self.model, self.layout.device
@@ -980,7 +1060,14 @@ class Run:
                 f"{cache.name}: {misread} keys read are not the tokens' own (page bytes)",
             )
 
-    def check_logits(self, plan: StepPlan, q_fp8, weights, keys, got: torch.Tensor) -> None:
+    def check_logits(
+        self,
+        plan: StepPlan,
+        q_fp8: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        got: torch.Tensor,
+    ) -> None:
         """One request's logits against the indexer's score of the stored keys,
         each position against its own bound (0 where the reader adds no
         arithmetic), then its top-k."""
@@ -1000,7 +1087,13 @@ class Run:
                 plan, kn.INDEXER_LOGITS, f"top-{k}: {outside} indices outside the dense top-{k}"
             )
 
-    def read_gathered_keys(self, batch: Batch, cache: CacheLayer, chunk, spans) -> None:
+    def read_gathered_keys(
+        self,
+        batch: Batch,
+        cache: CacheLayer,
+        chunk: Any,  # one prefill chunk of vLLM's indexer metadata
+        spans: list[tuple[int, int, int, int]],
+    ) -> None:
         """The indexer's prefill K gather of one chunk, byte for byte."""
         plan, device = batch.plan, self.layout.device
         total = int(chunk.local_total_seq_lens)
@@ -1076,7 +1169,7 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _fix_for(geometry, device: kn.Device):
+def _fix_for(geometry: Geometry, device: kn.Device) -> Iterator[AppliedFix | None]:
     """The fix applied as the plugin applies it on SM12x (any device: its
     code paths never consult the capability), with the control's change."""
     if not geometry.via_plugin:

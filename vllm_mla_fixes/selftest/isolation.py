@@ -31,7 +31,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm_mla_fixes import children
 
@@ -153,7 +153,7 @@ class _Worker:
         return self.entered.value.decode(errors="replace")
 
 
-def _start(context, job: Job, device: Device) -> _Worker:
+def _start(context: multiprocessing.context.SpawnContext, job: Job, device: Device) -> _Worker:
     receiver, sender = context.Pipe(duplex=False)
     entered = context.RawArray(ctypes.c_char, _KERNEL_NAME_BYTES + 1)
     process = context.Process(
@@ -162,7 +162,7 @@ def _start(context, job: Job, device: Device) -> _Worker:
         name=f"selftest-{job.name}",
     )
     process.start()
-    children.register(process.pid)
+    children.register(cast(int, process.pid))  # started: it has its pid
     sender.close()  # the child's end: the parent then sees EOF when the child dies
     return _Worker(job.name, process, receiver, entered, time.monotonic())
 
@@ -191,7 +191,13 @@ def _end(worker: _Worker, teardown_seconds: float) -> None:
     worker.process.join(children.REAP_TIMEOUT_S)
 
 
-def _worker_process(job: Job, device: Device, sender, entered, parent: int) -> None:
+def _worker_process(
+    job: Job,
+    device: Device,
+    sender: multiprocessing.connection.Connection,
+    entered: ctypes.Array[ctypes.c_char],
+    parent: int,
+) -> None:
     children.lead_group_and_watch(parent)
     if device.kind == "cpu":
         from .env import prepare_process_env
@@ -205,13 +211,15 @@ def _worker_process(job: Job, device: Device, sender, entered, parent: int) -> N
     sender.close()
 
 
-def _run_geometry(name: str, device: Device, entering) -> GeometryResult:
+def _run_geometry(name: str, device: Device, entering: Callable[[str], None]) -> GeometryResult:
     from . import harness
 
     return harness.run_geometry(name, device, entering=entering)
 
 
-def _time_decode_step(device: Device, baseline: str, entering) -> DecodeTiming:
+def _time_decode_step(
+    device: Device, baseline: str, entering: Callable[[str], None]
+) -> DecodeTiming:
     from . import kernels as kn
     from .pairing import DecodeTiming, time_decode_step
 

@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class Kernels:
         self.attention_calls = 0
         # Called after each attention call with the call's arguments (the
         # output filled): lets the GPU tests' probe read the same pages.
-        self.attention_observer = None
+        self.attention_observer: Callable[..., object] | None = None
         self._recorders: list[list[Launch]] = []  # see recording()
 
     @classmethod
@@ -179,7 +180,7 @@ class Kernels:
         return self.sources[kernel].startswith("real")
 
     @contextlib.contextmanager
-    def recording(self, into: list[Launch]):
+    def recording(self, into: list[Launch]) -> Iterator[list[Launch]]:
         """Each reader launch made meanwhile is also appended to ``into`` (and
         to the lists of any enclosing ``recording``)."""
         self._recorders.append(into)
@@ -188,7 +189,7 @@ class Kernels:
         finally:
             self._recorders.pop()  # nested blocks end innermost first
 
-    def _launch(self, kernel: Callable[..., object], *args, **kwargs) -> object:
+    def _launch(self, kernel: Callable[..., object], *args: object, **kwargs: object) -> object:
         launch = Launch(kernel, args, kwargs)
         for recorder in self._recorders:
             recorder.append(launch)
@@ -204,8 +205,8 @@ class Kernels:
         cos_sin: torch.Tensor,
         slots: torch.Tensor,
         block_size: int,
-        layer=None,
-        swa_metadata=None,
+        layer: Any = None,  # vLLM's attention module of the layer
+        swa_metadata: object = None,  # vLLM's sliding-window metadata of the layer
     ) -> None:
         """``kv``: [T, 512] bf16 as the layer hands it (RoPE not yet applied).
         On a GPU, the main forward's writer: ``layer``'s own
@@ -241,7 +242,14 @@ class Kernels:
         )
 
     @staticmethod
-    def write_compressed(view, latent, positions, cos_sin, slots, ratio: int) -> None:
+    def write_compressed(
+        view: torch.Tensor,
+        latent: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        slots: torch.Tensor,
+        ratio: int,
+    ) -> None:
         from vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache import (
             rope_quant_insert,
         )
@@ -249,7 +257,16 @@ class Kernels:
         rope_quant_insert(latent, positions, cos_sin, view, slots, ratio)
 
     @staticmethod
-    def write_indexer(view, k_pre, positions, cos_sin, weight, eps, slots, ratio: int) -> None:
+    def write_indexer(
+        view: torch.Tensor,
+        k_pre: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        slots: torch.Tensor,
+        ratio: int,
+    ) -> None:
         from vllm.models.deepseek_v41.common.ops import indexer_k_norm_rope_store
 
         indexer_k_norm_rope_store(k_pre, positions, cos_sin, weight, eps, view, slots, ratio, False)
@@ -257,7 +274,7 @@ class Kernels:
     # ------------------------------------------------------------ attention
 
     @contextlib.contextmanager
-    def attention_entry(self):
+    def attention_entry(self) -> Iterator[None]:
         """For the run, vLLM's SM120 attention module calls FlashInfer's
         kernel (SM12x) or the stand-in, counting the calls."""
         from vllm.models.deepseek_v41.nvidia import flashinfer_sparse as module
@@ -266,7 +283,7 @@ class Kernels:
         upstream = getattr(module, name)
         target = upstream if self.is_real(ATTENTION_DECODE) else sparse_mla_stand_in
 
-        def counted(**kwargs):
+        def counted(**kwargs: object) -> object:
             self.attention_calls += 1
             result = self._launch(target, **kwargs)
             if self.attention_observer is not None:
@@ -340,7 +357,14 @@ class Kernels:
             **extra,
         )
 
-    def gather_k(self, kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+    def gather_k(
+        self,
+        kv_cache: torch.Tensor,
+        dst_k: torch.Tensor,
+        dst_scale: torch.Tensor,
+        block_table: torch.Tensor,
+        cu_seq_lens: torch.Tensor,
+    ) -> None:
         if not self.is_real(INDEXER_GATHER):
             k, scale = dst_k.cpu(), dst_scale.cpu()
             gather_indexer_k_stand_in(
@@ -393,19 +417,19 @@ def flashinfer_page_problem(
 
 def sparse_mla_stand_in(
     *,
-    query,
-    swa_kv_cache,
-    workspace_buffer,
-    sparse_indices,
-    compressed_kv_cache,
-    out,
-    bmm1_scale,
-    sinks,
-    kv_layout,
-    swa_topk_lens,
-    extra_sparse_indices=None,
-    extra_sparse_topk_lens=None,
-    **_ignored,
+    query: torch.Tensor,
+    swa_kv_cache: torch.Tensor,
+    workspace_buffer: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    compressed_kv_cache: torch.Tensor | None,
+    out: torch.Tensor,
+    bmm1_scale: float | torch.Tensor,
+    sinks: torch.Tensor,
+    kv_layout: str,
+    swa_topk_lens: torch.Tensor,
+    extra_sparse_indices: torch.Tensor | None = None,
+    extra_sparse_topk_lens: torch.Tensor | None = None,
+    **_ignored: object,
 ) -> None:
     """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` as vLLM calls it on
     SM120, in PyTorch: refuse page sizes FlashInfer has no kernel for, then read
@@ -435,7 +459,12 @@ def sparse_mla_stand_in(
 
 
 def paged_mqa_logits_stand_in(
-    q_fp8, kv_view, weights, context_lens, block_table, max_len: int
+    q_fp8: torch.Tensor,
+    kv_view: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_len: int,
 ) -> torch.Tensor:
     """DeepGEMM's paged MQA logits in PyTorch: ``logits[t, s] = k_scale[s] *
     sum_h w[t, h] * relu(q[t, h] . k[s])`` for request-local compressed
@@ -490,7 +519,13 @@ def indexer_logits_dtype() -> torch.dtype:
     return STR_DTYPE_TO_TORCH_DTYPE[attention.indexer_logits_dtype]
 
 
-def gather_indexer_k_stand_in(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+def gather_indexer_k_stand_in(
+    kv_cache: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+) -> None:
     """``cp_gather_indexer_k_quant_cache``: request b's compressed states in
     rows ``cu[b]..cu[b+1]`` of ``dst_k`` (fp8 values) and ``dst_scale`` (fp32
     scale bytes), read through its block table."""

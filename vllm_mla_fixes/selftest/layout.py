@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -291,7 +291,7 @@ class CacheModule:
     layer: int
     ratio: int
     module: Any  # the vLLM module (or attention stand-in self) whose bind_kv_cache binds it
-    backend: type
+    backend: type[Any]  # the vLLM attention backend class of its layer
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,9 @@ class Layout:
     def find(self, kind: str, layer: int) -> CacheLayer:
         return next(c for c in self.caches.values() if c.kind == kind and c.layer == layer)
 
-    def own_bytes(self, cache: CacheLayer, block_ids, padded: bool = True) -> list[tuple[int, int]]:
+    def own_bytes(
+        self, cache: CacheLayer, block_ids: list[int], padded: bool = True
+    ) -> list[tuple[int, int]]:
         """Byte ranges [start, end) of ``cache``'s pages in the given manager
         blocks: its kernel pages where its blocks are split into kernel
         blocks (kernel block j of block b is ``b * kernel_block_stride + j``),
@@ -392,8 +394,8 @@ class Layout:
 
 
 def _new_sm120_attention(
-    prefix: str, layer: int, ratio: int, model: TinyModel, device, records: KvRecords
-):
+    prefix: str, layer: int, ratio: int, model: TinyModel, device: torch.device, records: KvRecords
+) -> Any:  # vLLM's DeepseekV4FlashInferSM120Attention
     """The SM120 FlashInfer attention class, without its ``__init__`` (which
     needs a GPU, tensor-parallel groups and weights): the attributes its spec
     producer and its ``_forward_decode`` / ``_forward_prefill`` read."""
@@ -433,7 +435,9 @@ def _new_sm120_attention(
     return attn
 
 
-def _make_caches(model: TinyModel, cfg: SimpleNamespace, device, records: KvRecords):
+def _make_caches(
+    model: TinyModel, cfg: SimpleNamespace, device: torch.device, records: KvRecords
+) -> tuple[dict[str, CacheModule], dict[int, Any]]:
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -503,7 +507,7 @@ def _make_caches(model: TinyModel, cfg: SimpleNamespace, device, records: KvReco
     return caches, readers
 
 
-def _spec_of(cache: CacheModule, cfg: SimpleNamespace):
+def _spec_of(cache: CacheModule, cfg: SimpleNamespace) -> object:  # vLLM's KV-cache spec
     if cache.kind == "compressed":
         from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 
@@ -521,7 +525,7 @@ def _bind(cache: CacheModule, view: torch.Tensor) -> torch.Tensor:
     return cache.module.kv_cache
 
 
-def _kv_cache_planner():
+def _kv_cache_planner() -> ModuleType:
     """vLLM's module with get_kv_cache_groups / get_kv_cache_config_from_groups
     (``kv_cache_utils`` in 0.32, ``kv_cache_planning`` from 0.33)."""
     try:
@@ -531,7 +535,10 @@ def _kv_cache_planner():
     return planner
 
 
-def _upstream_refusal(kv_caches, groups) -> str | None:
+def _upstream_refusal(
+    kv_caches: dict[str, torch.Tensor],
+    groups: list[Any],  # vLLM's AttentionGroups
+) -> str | None:
     """What vLLM's own ``map_kv_caches_to_kernel_blocks`` says about the
     kernel blocks these groups ask for (the fix replaces it to bind the
     interleaved ratio-1 pages): its error, or None if it maps them."""

@@ -128,7 +128,7 @@ def time_decode_step(
     return timing
 
 
-def _each(launches: list[TimedLaunch]):
+def _each(launches: list[TimedLaunch]) -> Callable[[], None]:
     def launch_all() -> None:
         for timed in launches:
             timed.launch()

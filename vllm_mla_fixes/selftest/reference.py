@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -81,7 +83,9 @@ INDEX_RECORD = INDEX_DIM + 4  # 132
 # --------------------------------------------------------------------------
 
 
-def _interpreter_converter():
+def _interpreter_converter() -> (
+    tuple[Callable[[torch.Tensor, object], torch.Tensor], ModuleType] | None
+):  # (convert, triton.language)
     if os.environ.get("TRITON_INTERPRET") != "1":
         return None
     try:
@@ -92,7 +96,7 @@ def _interpreter_converter():
     except ImportError:
         return None
 
-    def convert(x: torch.Tensor, dst) -> torch.Tensor:
+    def convert(x: torch.Tensor, dst: object) -> torch.Tensor:  # dst: a triton.language dtype
         src = x.detach().to(torch.float32).contiguous().cpu().numpy()
         if dst is tl.bfloat16:
             bits = _convert_float(src, tl.float32, tl.bfloat16, None)

@@ -411,7 +411,7 @@ def _block_size(result: GeometryResult) -> str:
     return f" (--block-size {result.block_size})" if result.block_size else ""
 
 
-def _num(value: float | None):
+def _num(value: float | None) -> float | str | None:
     if value is None:
         return None
     return value if math.isfinite(value) else str(value)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -282,7 +283,7 @@ class ReplayView:
         return list(zip(qsl[:-1], qsl[1:]))
 
 
-def _kwargs_supported(func, **candidates) -> dict[str, Any]:
+def _kwargs_supported(func: Callable[..., object], **candidates: object) -> dict[str, Any]:
     params = inspect.signature(func).parameters
     return {k: v for k, v in candidates.items() if k in params}
 
@@ -453,14 +454,14 @@ class Worker:
 
     def _build(
         self,
-        attn_groups,
+        attn_groups: list[list[Any]],  # vLLM's AttentionGroups, per KV-cache group
         batch: Batch,
         num_reqs: int,
         num_tokens: int,
-        qsl,
-        positions,
-        slots,
-        replay,
+        qsl: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        replay: object,  # vLLM's ReplayAttnMetadata
     ) -> dict[str, Any]:
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 
@@ -602,7 +603,7 @@ def offload_regions(layout: Layout) -> tuple[tuple[int, ...], dict[int, list[tup
     class CapturingSpec:  # the OffloadingSpec's part registration uses
         replicated_layout = False
 
-        def get_worker(self, kv_caches):
+        def get_worker(self, kv_caches: object) -> None:  # vLLM's canonical KV caches
             captured.append(kv_caches)
 
     # Canonical page mappings ask the model for its KV heads: MLA keeps one latent head.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,12 @@ class StepCost:
         return 2 * self.kernel_slots_us
 
 
-def _best_us(call, device: torch.device, calls: int = 200, rounds: int = 7) -> float:
+def _best_us(
+    call: Callable[..., object],  # called with no argument (its lambdas bind theirs as defaults)
+    device: torch.device,
+    calls: int = 200,
+    rounds: int = 7,
+) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     call()
     sync()

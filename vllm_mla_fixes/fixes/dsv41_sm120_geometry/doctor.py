@@ -4,7 +4,7 @@ taken in doctor's process on the config vLLM's own parser builds)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     GAIN_TO_APPLY,
@@ -12,8 +12,11 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     UPSTREAM,
 )
 
+if TYPE_CHECKING:
+    from vllm_mla_fixes.report import Environment, Finding, ServeLine
 
-def diagnose(env, serve) -> list:
+
+def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
@@ -155,7 +158,7 @@ DOCTOR_JSON_KEY = "dsv41"
 SM12X_NODE = "an SM12x serving node"
 
 
-def as_sm12x_node(env):
+def as_sm12x_node(env: Environment) -> Environment:
     """``env`` as the node that serves the line sees this fix: where no GPU is
     visible here, the plugin's decision there, from its probe for SM120 on
     the installed vLLM (this process decides not-needed for want of a GPU)."""

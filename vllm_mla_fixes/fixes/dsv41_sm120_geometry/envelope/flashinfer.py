@@ -233,7 +233,9 @@ def _flashinfer_runtime_pages(
     rows_note = "any positive page size (runtime_page includes ModelType::DSV4)"
     common = (rule_source, runtime_source)
 
-    def envelope(kernel: str, heads: Values, topk: Values, own: Declaration, *more):
+    def envelope(
+        kernel: str, heads: Values, topk: Values, own: Declaration, *more: Declaration
+    ) -> KernelEnvelope:
         return KernelEnvelope(
             kernel,
             TITLES[kernel],
