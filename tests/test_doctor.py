@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -176,13 +177,18 @@ def test_dsv41_line_checklist_and_corrected_page_32_attribution():
     )
     findings = [f for f in _findings(proc) if f["topic"] == INFO.name]
     text = " | ".join(f["message"] for f in findings)
-    # upstream's own layout for the line, held against the kernels' own envelopes:
-    # FlashInfer's SM120 sparse MLA is what rejects the 32-row sliding-window page
-    # (not DeepGEMM, as the original report said)
-    assert (
-        "upstream's --block-size 128 layout starts, but FlashInfer SM120 sparse-MLA decode, "
-        "primary (sliding-window) cache rejects the sliding-window KV pages of 32 rows" in text
-    )
+    # upstream's own layout for the line, held against the kernels' own envelopes: on
+    # 0.32.0 FlashInfer 0.7.0.post1's SM120 sparse MLA is what rejects the 32-row
+    # sliding-window page (not DeepGEMM, as the original report said); 0.33.0's
+    # FlashInfer takes it, and DeepGEMM's host check rejects the 128-row indexer page
+    rejected_first = {
+        "0.32.0": "FlashInfer SM120 sparse-MLA decode, primary (sliding-window) cache rejects "
+        "the sliding-window KV pages of 32 rows",
+        "0.33.0": "DeepGEMM SM120 paged MQA logits, FP8 indexer cache rejects the indexer K, "
+        "compress ratio 1 pages of 128 rows",
+    }
+    rejected = rejected_first[version("vllm")]
+    assert f"upstream's --block-size 128 layout starts, but {rejected}" in text
     assert "indexer_kv_dtype='mxfp4' requires SM10x" in text
     assert "--moe-backend triton is not supported on SM120" in text
     assert "U+FFFD" in text
