@@ -245,7 +245,12 @@ def test_a_stopping_signal_ends_every_child_group_then_acts_as_before(site, sign
     )
     found = _wait_for_pids(pids, ["one", "two"], 120, parent)
     parent.send_signal(signum)
-    out, _ = parent.communicate(timeout=30)
+    try:
+        out, _ = parent.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        parent.kill()  # a failing run leaves nothing behind either
+        parent.communicate(timeout=30)
+        raise
     if signum == signal.SIGTERM:  # the default action, as without children
         assert parent.returncode == -signal.SIGTERM
     else:  # Python's own SIGINT handler
