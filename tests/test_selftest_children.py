@@ -127,7 +127,8 @@ def site(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     yield folder, pids
-    # A failing test leaves its processes behind: end them, by the pids they noted.
+    # A failing test leaves its processes behind: end them, by the pids noted (the
+    # children's own, and each script's, noted by _script).
     for noted in pids.iterdir():
         if noted.suffix == ".tmp":  # being written: not a whole pid yet
             continue
@@ -148,7 +149,7 @@ def _env(site_dir: Path, pids: Path, **extra: str) -> dict[str, str]:
 
 
 def _script(site_dir: Path, pids: Path, code: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    script = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=_env(site_dir, pids),
         stdout=subprocess.PIPE,
@@ -156,6 +157,9 @@ def _script(site_dir: Path, pids: Path, code: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+    # noted like its children's, so that the site fixture ends it if the test fails
+    (pids / f"script-{script.pid}").write_text(str(script.pid))
+    return script
 
 
 # ------------------------------------------------------------------ the mechanism
@@ -245,12 +249,7 @@ def test_a_stopping_signal_ends_every_child_group_then_acts_as_before(site, sign
     )
     found = _wait_for_pids(pids, ["one", "two"], 120, parent)
     parent.send_signal(signum)
-    try:
-        out, _ = parent.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        parent.kill()  # a failing run leaves nothing behind either
-        parent.communicate(timeout=30)
-        raise
+    out, _ = parent.communicate(timeout=30)
     if signum == signal.SIGTERM:  # the default action, as without children
         assert parent.returncode == -signal.SIGTERM
     else:  # Python's own SIGINT handler

@@ -358,24 +358,19 @@ class Kernels:
         )
 
     def gather_k(
-        self,
-        kv_cache: torch.Tensor,
-        dst_k: torch.Tensor,
-        dst_scale: torch.Tensor,
-        block_table: torch.Tensor,
-        cu_seq_lens: torch.Tensor,
+        self, cache: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, *where: torch.Tensor
     ) -> None:
+        """The indexer's K gather into ``keys`` and ``scales``; ``where`` is the
+        block table and the cumulative row counts, as the op takes them."""
         if not self.is_real(INDEXER_GATHER):
-            k, scale = dst_k.cpu(), dst_scale.cpu()
-            gather_indexer_k_stand_in(
-                kv_cache.cpu(), k, scale, block_table.cpu(), cu_seq_lens.cpu()
-            )
-            dst_k.copy_(k)
-            dst_scale.copy_(scale)
+            on_cpu = keys.cpu(), scales.cpu()
+            gather_indexer_k_stand_in(cache.cpu(), *on_cpu, *(t.cpu() for t in where))
+            keys.copy_(on_cpu[0])
+            scales.copy_(on_cpu[1])
             return
         from vllm import _custom_ops as ops
 
-        ops.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+        ops.cp_gather_indexer_k_quant_cache(cache, keys, scales, *where)
 
 
 # --------------------------------------------------------------- stand-ins
@@ -520,26 +515,26 @@ def indexer_logits_dtype() -> torch.dtype:
 
 
 def gather_indexer_k_stand_in(
-    kv_cache: torch.Tensor,
-    dst_k: torch.Tensor,
-    dst_scale: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
+    pages: torch.Tensor,
+    keys_out: torch.Tensor,
+    scales_out: torch.Tensor,
+    tables: torch.Tensor,
+    row_starts: torch.Tensor,
 ) -> None:
     """``cp_gather_indexer_k_quant_cache``: request b's compressed states in
-    rows ``cu[b]..cu[b+1]`` of ``dst_k`` (fp8 values) and ``dst_scale`` (fp32
-    scale bytes), read through its block table."""
-    rows = int(kv_cache.shape[1])
-    cu = cu_seq_lens.tolist()
-    flat = ref.storage_bytes(kv_cache)
+    rows ``row_starts[b]..row_starts[b+1]`` of ``keys_out`` (fp8 values) and
+    ``scales_out`` (fp32 scale bytes), read through its row of ``tables``."""
+    rows = int(pages.shape[1])
+    cu = row_starts.tolist()
+    flat = ref.storage_bytes(pages)
     for b in range(len(cu) - 1):
         s = torch.arange(cu[b + 1] - cu[b])
-        page = block_table[b, s // rows].to(torch.int64)
-        base = kv_cache.storage_offset() + page * kv_cache.stride(0)
+        page = tables[b, s // rows].to(torch.int64)
+        base = pages.storage_offset() + page * pages.stride(0)
         values = ref.gather_bytes(flat, base + (s % rows) * ref.INDEX_DIM, ref.INDEX_DIM)
         scales = ref.gather_bytes(flat, base + rows * ref.INDEX_DIM + (s % rows) * 4, 4)
-        dst_k[cu[b] : cu[b + 1]].view(torch.uint8).copy_(values)
-        dst_scale[cu[b] : cu[b + 1]].copy_(scales)
+        keys_out[cu[b] : cu[b + 1]].view(torch.uint8).copy_(values)
+        scales_out[cu[b] : cu[b + 1]].copy_(scales)
 
 
 def _written_tokens(
