@@ -66,12 +66,16 @@ def end_all() -> None:
     wait for its parent to die while ``multiprocessing``'s exit handler waits
     for it)."""
     with _live_lock:
-        leaders = set(_live)
-    started = sys.modules.get("multiprocessing")  # never imported here: nothing it started
-    if started is not None:
-        leaders.update(p.pid for p in started.active_children() if p.pid is not None)
+        leaders = list(_live)
     for leader in leaders:
         end_group(leader)
+    # Only now: active_children() reaps the children that have exited, and a
+    # registered leader must not be reaped before its group is ended.
+    started = sys.modules.get("multiprocessing")  # never imported here: nothing it started
+    if started is not None:
+        for child in started.active_children():
+            if child.pid is not None:
+                end_group(child.pid)
 
 
 def exited(pid: int, timeout: float) -> bool:
