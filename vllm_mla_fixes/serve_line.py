@@ -1,15 +1,16 @@
 """What the installed vLLM's own parser and config classes make of a ``vllm serve`` line.
 
 ``doctor`` checks the operator's line here before it judges it: ``vllm serve``'s
-parser (``ServeSubcommand`` on vLLM's ``FlexibleArgumentParser``), then each of
+parser (the ``serve`` subparser as ``ServeSubcommand`` builds it, on vLLM's
+``FlexibleArgumentParser``), then each of
 vLLM's config classes that can be built without the model's files, from the
 options the line sets, then its engine arguments.  What they reject is
 reported in their own words: the line that ``vllm serve`` prints before it
 exits, the config class's validation message with the flag it came from, or
 what the engine arguments raise.
 
-Only this module and the DeepSeek-V4.1 prediction import vLLM's CLI: it costs
-seconds, so nothing here runs at import time.
+Only this module and the DeepSeek-V4.1 prediction import vLLM's argument
+parsers: they cost seconds, so nothing here runs at import time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import io
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 # vLLM's config classes that can be built from the line's options alone (no
@@ -70,12 +72,69 @@ def as_serve_argv(argv: list[str]) -> list[str]:
     return argv if argv[:1] == ["serve"] else ["serve", *argv]
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    from vllm.entrypoints.cli.serve import ServeSubcommand
+# ``ServeSubcommand.subparser_init`` in every covered release: the ``serve``
+# subparser with its usage line, then ``make_arg_parser`` adds every option.
+# The calls it may make for the fast path to build the same parser.
+SERVE_SUBPARSER_CALLS = frozenset({"add_parser", "make_arg_parser", "format"})
+SERVE_USAGE = "vllm serve [model_tag] [options]"
+
+
+def serve_options_module() -> str | None:
+    """The module ``vllm serve`` takes ``make_arg_parser`` from (it moved
+    between releases), read from the installed ``vllm/entrypoints/cli/serve.py``;
+    None where that file does not build its subparser as the covered releases
+    do, so the caller imports the CLI module itself."""
+    import ast
+
+    import vllm
+
+    source = Path(vllm.__file__).parent / "entrypoints" / "cli" / "serve.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    modules = [
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and any(alias.name == "make_arg_parser" and alias.asname is None for alias in node.names)
+    ]
+    inits = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "subparser_init"
+    ]
+    if len(modules) != 1 or len(inits) != 1:
+        return None
+    called = {
+        call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        for call in ast.walk(inits[0])
+        if isinstance(call, ast.Call)
+    }
+    return modules[0] if called <= SERVE_SUBPARSER_CALLS else None
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``vllm``'s top-level parser with the ``serve`` subparser, as
+    ``ServeSubcommand.subparser_init`` builds it.  The CLI module
+    ``vllm.entrypoints.cli.serve`` also imports the API server, its launchers
+    and the engine's process managers, seconds that parsing does not need, so
+    ``make_arg_parser`` is imported from where that module takes it."""
+    import importlib
+
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    subparsers = parser.add_subparsers(dest="subparser")
+    options_module = serve_options_module()
+    if options_module is None:
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+
+        ServeSubcommand().subparser_init(subparsers)
+        return parser
+    make_arg_parser = importlib.import_module(options_module).make_arg_parser
+    make_arg_parser(subparsers.add_parser("serve", usage=SERVE_USAGE))
     return parser
 
 
@@ -95,7 +154,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     """The namespace ``vllm serve`` builds from ``argv``; :class:`Rejected`
     with its message where its parser stops.  ``vllm serve MODEL`` means
     ``--model MODEL``, as in ``ServeSubcommand.cmd``."""
-    parser = _serve_parser()
+    parser = serve_parser()
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
@@ -120,7 +179,7 @@ def model_given(argv: list[str], args: argparse.Namespace) -> bool:
 @functools.cache
 def _bare_line() -> dict[str, Any]:
     """What ``vllm serve`` with no arguments gets."""
-    return vars(_serve_parser().parse_args(["serve"]))
+    return vars(serve_parser().parse_args(["serve"]))
 
 
 def default_model() -> str | None:
