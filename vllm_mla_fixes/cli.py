@@ -372,7 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"{PROG} {vllm_mla_fixes.__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The order of these calls is the order of the commands in --help.
+    _add_status_parser(sub)
+    _add_verify_parser(sub)
+    _add_doctor_parser(sub)
+    _add_selftest_parser(sub)
+    _add_smoke_parser(sub)
+    _add_build_wheel_parser(sub)
+    _add_review_parser(sub)
+    return parser
 
+
+def _add_status_parser(sub: argparse._SubParsersAction) -> None:
     status = _command(
         sub,
         "status",
@@ -399,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
         "kept yet (a few minutes on CPU, once per installed vLLM), and include it",
     )
 
+
+def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
     _command(
         sub,
         "verify",
@@ -413,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
 
+
+def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     from vllm_mla_fixes.doctor import HELP_EPILOG as DOCTOR_EPILOG
 
     doctor = _command(
@@ -431,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve_args", nargs=argparse.REMAINDER, help="after --: the vllm serve line to check"
     )
 
+
+def _add_selftest_parser(sub: argparse._SubParsersAction) -> None:
     selftest = _command(
         sub,
         "selftest",
@@ -482,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the JSON report to FILE (whole, or not at all)",
     )
 
+
+def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
     smoke_cmd = _command(
         sub,
         "smoke",
@@ -528,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print only the JSON report on stdout"
     )
 
+
+def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
     build = _command(
         sub,
         "build-wheel",
@@ -569,6 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEP 691 package index to download from (default: https://pypi.org/simple)",
     )
 
+
+def _add_review_parser(sub: argparse._SubParsersAction) -> None:
     review = _command(
         sub,
         "review",
@@ -604,7 +627,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="https://pypi.org/simple",
         help="PEP 691 package index (default: https://pypi.org/simple)",
     )
-    return parser
 
 
 def _json_mode(argv: list[str]) -> bool:

@@ -291,27 +291,11 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
             )
         )
         sparse = True
-    fp8 = serve.kv_cache_dtype.startswith("fp8")
     sm = env.capability[0] if env.capability else None
     backend = serve.attention_backend or ("FLASHMLA_SPARSE" if sm == 9 else None)
-    if not (sparse and fp8):
-        findings.append(
-            Finding(
-                "ok",
-                name,
-                "this line does not store fp8_ds_mla "
-                f"(sparse MLA: {sparse}, --kv-cache-dtype {serve.kv_cache_dtype})",
-            )
-        )
-        return findings
-    if backend not in ("FLASHMLA_SPARSE", None):
-        findings.append(
-            Finding(
-                "ok",
-                name,
-                f"--attention-backend {backend}: this failure is specific to FLASHMLA_SPARSE",
-            )
-        )
+    unaffected = _unaffected_line_finding(serve, sparse, backend)
+    if unaffected is not None:
+        findings.append(unaffected)
         return findings
     findings.append(
         covered_failure(
@@ -324,6 +308,38 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
             f"{INFO.error}",
         )
     )
+    findings += _workaround_flag_findings(env, serve)
+    findings.append(fix_verdict(env, name))
+    return findings
+
+
+def _unaffected_line_finding(serve: ServeLine, sparse: bool, backend: str | None) -> Finding | None:
+    """Why the line cannot meet this failure (it stores no fp8_ds_mla, or runs
+    another backend than FLASHMLA_SPARSE), or None where it can."""
+    from vllm_mla_fixes.report import Finding
+
+    if not (sparse and serve.kv_cache_dtype.startswith("fp8")):
+        return Finding(
+            "ok",
+            INFO.name,
+            "this line does not store fp8_ds_mla "
+            f"(sparse MLA: {sparse}, --kv-cache-dtype {serve.kv_cache_dtype})",
+        )
+    if backend not in ("FLASHMLA_SPARSE", None):
+        return Finding(
+            "ok",
+            INFO.name,
+            f"--attention-backend {backend}: this failure is specific to FLASHMLA_SPARSE",
+        )
+    return None
+
+
+def _workaround_flag_findings(env: Environment, serve: ServeLine) -> list[Finding]:
+    """Flags of the line users suspect, or try against this crash: what each does here."""
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    findings = []
     if serve.enforce_eager:
         findings.append(
             Finding(
@@ -343,7 +359,6 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
                 "reshape fails before either is used; no need to remove them",
             )
         )
-    findings.append(fix_verdict(env, name))
     return findings
 
 

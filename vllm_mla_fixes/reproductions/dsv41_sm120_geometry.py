@@ -175,11 +175,6 @@ def build_layers(
     with the backbone), built as ``DSparkDeepseekV4Model`` builds its decoder
     layers and marked ``is_draft_layer`` as vLLM's speculator marks them."""
     from vllm.config import set_current_vllm_config
-    from vllm.models.deepseek_v41 import attention as v41
-    from vllm.models.deepseek_v41.compressor import CompressorStateCache
-    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
-        DeepseekV4FlashInferSM120Attention as SM120Attention,
-    )
 
     cache_config = vllm_config.cache_config
     context = vllm_config.compilation_config.static_forward_context
@@ -191,64 +186,94 @@ def build_layers(
     attach_model(vllm_config, model, drafter_ratios)
     with set_current_vllm_config(vllm_config):
         for layer_id in range(backbone + len(drafter_ratios)) if only is None else only:
-            prefix = attention_prefix(layer_id)
             drafter = layer_id >= backbone
-            attn = SM120Attention.__new__(SM120Attention)
-            torch.nn.Module.__init__(attn)
-            # What DeepseekV4Attention.__init__ sets for the caches, with its helpers.
-            attn.prefix = prefix
-            attn.layer_id = layer_id
-            attn.head_dim = model["head_dim"]
-            attn.window_size = model["sliding_window"]
-            attn.compress_ratio = int(
-                drafter_ratios[layer_id - backbone] if drafter else ratios[layer_id]
-            )
-            # DeepseekV4Attention.__init__: only backbone layers own caches.
-            attn.is_kv_source = not drafter and layer_id in kv_sources
-            attn.kv_cache_dtype, attn.kv_cache_torch_dtype = v41._resolve_dsv4_kv_cache_dtype(
-                attn._uses_fp8_ds_mla_layout(),
-                cache_config.cache_dtype,
-                cache_config,
-                attn.packed_kv_cache_dtype,
-            )
-            attn.kv_mxfp8 = v41._use_v41_mxfp8_kv_record()
-            attn.swa_bytes_per_token = 528 if attn.kv_mxfp8 else 584
-            attn.compressed_bytes_per_token = attn.swa_bytes_per_token
-            attn.kv_page_alignment = 512 if attn.kv_mxfp8 else 576
-            attn.kv_cache = torch.tensor([])
-            context[prefix] = attn
-            # The sliding-window cache, through the module name __init__ uses.
-            attn.swa_cache_layer = v41.DeepseekV4SWACache(
-                head_dim=attn.head_dim,
-                window_size=attn.window_size,
-                dtype=attn.kv_cache_torch_dtype,
-                prefix=f"{prefix}.swa_cache",
+            attn = _sm120_attention(
+                layer_id,
+                model,
+                compress_ratio=int(
+                    drafter_ratios[layer_id - backbone] if drafter else ratios[layer_id]
+                ),
+                # DeepseekV4Attention.__init__: only backbone layers own caches.
+                is_kv_source=not drafter and layer_id in kv_sources,
                 cache_config=cache_config,
-                backend_cls=attn.swa_backend_cls,
-                block_size=32,
-                packed_bytes_per_token=attn.swa_bytes_per_token,
-                packed_page_alignment=attn.kv_page_alignment,
-                bounded_replay=False,
             )
-            if attn.is_kv_source and attn.compress_ratio > 1:
-                CompressorStateCache(
-                    state_dim=2 * attn.head_dim,
-                    dtype=torch.float32,
-                    prefix=f"{prefix}.compressor.state_cache",
-                )
-            if attn.is_kv_source and layer_id in index_sources:
-                v41.DeepseekV4IndexerCache(
-                    head_dim=v41._indexer_k_cache_head_dim(model["index_head_dim"], False),
-                    dtype=torch.uint8,
-                    prefix=f"{prefix}.indexer.k_cache",
-                    cache_config=cache_config,
-                    compress_ratio=attn.compress_ratio,
-                )
+            prefix = attn.prefix
+            context[prefix] = attn
+            _register_caches(attn, model, cache_config, is_index_source=layer_id in index_sources)
             if drafter:
                 for name in (prefix, attn.swa_cache_layer.prefix):
                     context[name].is_draft_layer = True
             layers[prefix] = attn
     return layers
+
+
+def _sm120_attention(
+    layer_id: int, model: dict, compress_ratio: int, is_kv_source: bool, cache_config: Any
+) -> Any:
+    """An SM120 attention layer with only the cache attributes set (no weights)."""
+    from vllm.models.deepseek_v41 import attention as v41
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferSM120Attention as SM120Attention,
+    )
+
+    attn = SM120Attention.__new__(SM120Attention)
+    torch.nn.Module.__init__(attn)
+    # What DeepseekV4Attention.__init__ sets for the caches, with its helpers.
+    attn.prefix = attention_prefix(layer_id)
+    attn.layer_id = layer_id
+    attn.head_dim = model["head_dim"]
+    attn.window_size = model["sliding_window"]
+    attn.compress_ratio = compress_ratio
+    attn.is_kv_source = is_kv_source
+    attn.kv_cache_dtype, attn.kv_cache_torch_dtype = v41._resolve_dsv4_kv_cache_dtype(
+        attn._uses_fp8_ds_mla_layout(),
+        cache_config.cache_dtype,
+        cache_config,
+        attn.packed_kv_cache_dtype,
+    )
+    attn.kv_mxfp8 = v41._use_v41_mxfp8_kv_record()
+    attn.swa_bytes_per_token = 528 if attn.kv_mxfp8 else 584
+    attn.compressed_bytes_per_token = attn.swa_bytes_per_token
+    attn.kv_page_alignment = 512 if attn.kv_mxfp8 else 576
+    attn.kv_cache = torch.tensor([])
+    return attn
+
+
+def _register_caches(attn: Any, model: dict, cache_config: Any, is_index_source: bool) -> None:
+    """The layer's sliding-window, compressor-state and indexer caches, built
+    as DeepseekV4Attention.__init__ builds them (each registers itself in the
+    current config's forward context)."""
+    from vllm.models.deepseek_v41 import attention as v41
+    from vllm.models.deepseek_v41.compressor import CompressorStateCache
+
+    prefix = attn.prefix
+    # The sliding-window cache, through the module name __init__ uses.
+    attn.swa_cache_layer = v41.DeepseekV4SWACache(
+        head_dim=attn.head_dim,
+        window_size=attn.window_size,
+        dtype=attn.kv_cache_torch_dtype,
+        prefix=f"{prefix}.swa_cache",
+        cache_config=cache_config,
+        backend_cls=attn.swa_backend_cls,
+        block_size=32,
+        packed_bytes_per_token=attn.swa_bytes_per_token,
+        packed_page_alignment=attn.kv_page_alignment,
+        bounded_replay=False,
+    )
+    if attn.is_kv_source and attn.compress_ratio > 1:
+        CompressorStateCache(
+            state_dim=2 * attn.head_dim,
+            dtype=torch.float32,
+            prefix=f"{prefix}.compressor.state_cache",
+        )
+    if attn.is_kv_source and is_index_source:
+        v41.DeepseekV4IndexerCache(
+            head_dim=v41._indexer_k_cache_head_dim(model["index_head_dim"], False),
+            dtype=torch.uint8,
+            prefix=f"{prefix}.indexer.k_cache",
+            cache_config=cache_config,
+            compress_ratio=attn.compress_ratio,
+        )
 
 
 # -------------------------------------------------------------- vLLM's pipeline

@@ -73,29 +73,8 @@ def apply(patch: Patch) -> None:
         patch.replace_function(
             module, "bind_kv_cache_to_layers", with_geometry_check(module.bind_kv_cache_to_layers)
         )
-        if not split_reviewed:
-            return
-        patch.replace_function(
-            module,
-            "map_kv_caches_to_kernel_blocks",
-            with_interleaved_ratio1_views(module.map_kv_caches_to_kernel_blocks),
-        )
-        group = module.AttentionGroup
-        patch.replace(
-            group,
-            "_with_kernel_block_table",
-            with_kernel_slots(group.__dict__["_with_kernel_block_table"]),
-        )
-        patch.replace(
-            group,
-            "map_kv_cache_to_manager_blocks",
-            with_pair_manager_view(group.__dict__["map_kv_cache_to_manager_blocks"]),
-        )
-        patch.replace_function(
-            module,
-            "copy_kv_cache_blocks_inplace",
-            with_pair_region_copies(module.copy_kv_cache_blocks_inplace),
-        )
+        if split_reviewed:
+            _patch_interleaved_split(patch, module)
 
     def on_spec_merge(function: str) -> Callable[[ModuleType], None]:
         def wrap(module: ModuleType) -> None:
@@ -121,6 +100,33 @@ def apply(patch: Patch) -> None:
     )
     patch.when_imported(WARMUP_MODULE, on_warmup)
     patch.when_imported(WORKER_UTILS_MODULE, on_worker_utils)
+
+
+def _patch_interleaved_split(patch: Patch, module: ModuleType) -> None:
+    """The worker utilities the interleaved split changes: its kernel-block
+    views, slots and pair copies (apply calls this only where the screen found
+    these targets to be the reviewed code)."""
+    patch.replace_function(
+        module,
+        "map_kv_caches_to_kernel_blocks",
+        with_interleaved_ratio1_views(module.map_kv_caches_to_kernel_blocks),
+    )
+    group = module.AttentionGroup
+    patch.replace(
+        group,
+        "_with_kernel_block_table",
+        with_kernel_slots(group.__dict__["_with_kernel_block_table"]),
+    )
+    patch.replace(
+        group,
+        "map_kv_cache_to_manager_blocks",
+        with_pair_manager_view(group.__dict__["map_kv_cache_to_manager_blocks"]),
+    )
+    patch.replace_function(
+        module,
+        "copy_kv_cache_blocks_inplace",
+        with_pair_region_copies(module.copy_kv_cache_blocks_inplace),
+    )
 
 
 def for_capability(capability: tuple[int, int]) -> ModuleType:

@@ -20,27 +20,46 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
     decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
     a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
-    from vllm_mla_fixes.report import Finding, fix_verdict
+    from vllm_mla_fixes.report import fix_verdict
 
-    name = INFO.name
+    out_of_scope = _out_of_scope_finding(env, serve)
+    if out_of_scope is not None:
+        return [out_of_scope]
+    env = as_sm12x_node(env)
+    findings = _sm12x_gpu_findings(env.capability) + _flashinfer_package_findings(env)
+    if serve is not None:
+        findings += _serve_line_findings(env, serve)
+    findings.append(fix_verdict(env, INFO.name))
+    return findings
+
+
+def _out_of_scope_finding(env: Environment, serve: ServeLine | None) -> Finding | None:
+    """The one finding where the line or the GPU is not this fix's concern, else None."""
+    from vllm_mla_fixes.report import Finding
+
     if (
         serve is not None
         and (serve.model_config or serve.architectures)  # its config, or its name, says
         and "DeepseekV41ForCausalLM" not in serve.architectures
     ):
-        return [Finding("ok", name, "not a DeepSeek-V4.1 model")]
+        return Finding("ok", INFO.name, "not a DeepSeek-V4.1 model")
     sm = env.capability
     if sm is not None and sm[0] != 12:
-        return [
-            Finding(
-                "ok",
-                name,
-                f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
-                "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here",
-            )
-        ]
-    env = as_sm12x_node(env)
-    findings = [
+        return Finding(
+            "ok",
+            INFO.name,
+            f"SM{sm[0]}{sm[1]}: the page-geometry failure is specific to "
+            "SM120/SM121 (FlashInfer's SM120 sparse-MLA and indexer kernels); nothing changes here",
+        )
+    return None
+
+
+def _sm12x_gpu_findings(sm: tuple[int, int] | None) -> list[Finding]:
+    """Which SM12x GPUs the fix covers, and how to prove it on the one that serves."""
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    return [
         Finding(
             "info",
             name,
@@ -61,6 +80,14 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
             f"{SELFTEST_COMMAND}; then {SMOKE_COMMAND}",
         ),
     ]
+
+
+def _flashinfer_package_findings(env: Environment) -> list[Finding]:
+    """FlashInfer's kernel packages: versions it refuses to start with, or a missing JIT cache."""
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    findings = []
     fi, cubin, jit = (
         env.packages.get(p)
         for p in ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache")
@@ -104,9 +131,15 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
                 f"provider at {fi}, with --no-deps)",
             )
         )
-    if serve is None:
-        findings.append(fix_verdict(env, name))
-        return findings
+    return findings
+
+
+def _serve_line_findings(env: Environment, serve: ServeLine) -> list[Finding]:
+    """What the serve line's own settings meet on SM120, and the geometry it gets."""
+    from vllm_mla_fixes.report import Finding
+
+    name = INFO.name
+    findings = []
     attention = serve.attention_config
     if str(attention.get("indexer_kv_dtype", "fp8")).lower() == "mxfp4":
         findings.append(
@@ -147,7 +180,6 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
                 f"leave it on auto (DEEPGEMM_MXFP4) or use {MOE_MARLIN_FLAG}",
             )
         )
-    findings.append(fix_verdict(env, name))
     return findings
 
 

@@ -90,9 +90,8 @@ def _function_body(text: str, signature: str, path: Path, what: str) -> tuple[in
 def _flashinfer_0_7_0(root: Path, config: Any, source: Declaration) -> dict[str, KernelEnvelope]:
     """FlashInfer 0.7.0.post1: 64-row pages compiled in, prefill's extra page
     from a fixed set."""
-    envelopes = {}
     heads, topk, dtypes = _config_heads(config), _config_topk(config), _config_dtypes(config)
-    envelopes[FLASHINFER_DECODE] = KernelEnvelope(
+    decode = KernelEnvelope(
         FLASHINFER_DECODE,
         TITLES[FLASHINFER_DECODE],
         CACHES[FLASHINFER_DECODE],
@@ -105,7 +104,18 @@ def _flashinfer_0_7_0(root: Path, config: Any, source: Declaration) -> dict[str,
             f"decode serves at most {config.max_num_tokens} tokens per call; longer calls go to prefill",
         ),
     )
+    return {
+        FLASHINFER_DECODE: decode,
+        FLASHINFER_DECODE_EXTRA: _flashinfer_0_7_0_decode_extra(root, heads, topk, dtypes, source),
+        **_flashinfer_0_7_0_prefill(root, dtypes),
+    }
 
+
+def _flashinfer_0_7_0_decode_extra(
+    root: Path, heads: Values, topk: Values, dtypes: tuple[str, ...], source: Declaration
+) -> KernelEnvelope:
+    """FlashInfer 0.7.0.post1's decode extra cache: any page size, as long as
+    its launcher takes the size as an argument and never compares it."""
     decode = root / "data" / "csrc" / "sparse_mla_sm120_decode_dsv4.cu"
     text = read_text(decode, "the DeepSeek-V4 decode launcher")
     what = "the extra page of the DeepSeek-V4 decode launcher"
@@ -114,7 +124,7 @@ def _flashinfer_0_7_0(root: Path, config: Any, source: Declaration) -> dict[str,
     if taken is None or re.search(r"pbs_extra\s*[!=<>]=?\s*\d", body):
         raise Unreadable(f"{what}: no run-time pbs_extra argument in {shown(decode)}")
     at = line_of(text, start + taken.start())
-    envelopes[FLASHINFER_DECODE_EXTRA] = KernelEnvelope(
+    return KernelEnvelope(
         FLASHINFER_DECODE_EXTRA,
         TITLES[FLASHINFER_DECODE_EXTRA],
         CACHES[FLASHINFER_DECODE_EXTRA],
@@ -126,6 +136,10 @@ def _flashinfer_0_7_0(root: Path, config: Any, source: Declaration) -> dict[str,
         ("the extra page size is a run-time argument the launcher does not check",),
     )
 
+
+def _flashinfer_0_7_0_prefill(root: Path, dtypes: tuple[str, ...]) -> dict[str, KernelEnvelope]:
+    """FlashInfer 0.7.0.post1's prefill, both caches: the page sizes and head
+    counts its single- and dual-cache dispatch functions accept."""
     prefill = root / "data" / "csrc" / "sparse_mla_sm120_prefill.cu"
     text = read_text(prefill, "the DeepSeek-V4 prefill dispatch")
     what = "the DeepSeek-V4 single-cache prefill dispatch"
@@ -148,29 +162,30 @@ def _flashinfer_0_7_0(root: Path, config: Any, source: Declaration) -> dict[str,
         shown(prefill), primary_at, text.splitlines()[primary_at - 1].strip()
     )
     notes = ("top-k is a run-time argument (topk <= 256 computes in BF16, larger in FP8)",)
-    envelopes[FLASHINFER_PREFILL] = KernelEnvelope(
-        FLASHINFER_PREFILL,
-        TITLES[FLASHINFER_PREFILL],
-        CACHES[FLASHINFER_PREFILL],
-        Values.of({int(primary.group(1))}),
-        Values.of(prefill_heads),
-        ANY,
-        dtypes,
-        (prefill_source,),
-        notes,
-    )
-    envelopes[FLASHINFER_PREFILL_EXTRA] = KernelEnvelope(
-        FLASHINFER_PREFILL_EXTRA,
-        TITLES[FLASHINFER_PREFILL_EXTRA],
-        CACHES[FLASHINFER_PREFILL_EXTRA],
-        Values.of(ints(" ".join(extras))),
-        Values.of(prefill_heads),
-        ANY,
-        dtypes,
-        (Declaration(shown(prefill), extra_at, text.splitlines()[extra_at - 1].strip()),),
-        notes,
-    )
-    return envelopes
+    return {
+        FLASHINFER_PREFILL: KernelEnvelope(
+            FLASHINFER_PREFILL,
+            TITLES[FLASHINFER_PREFILL],
+            CACHES[FLASHINFER_PREFILL],
+            Values.of({int(primary.group(1))}),
+            Values.of(prefill_heads),
+            ANY,
+            dtypes,
+            (prefill_source,),
+            notes,
+        ),
+        FLASHINFER_PREFILL_EXTRA: KernelEnvelope(
+            FLASHINFER_PREFILL_EXTRA,
+            TITLES[FLASHINFER_PREFILL_EXTRA],
+            CACHES[FLASHINFER_PREFILL_EXTRA],
+            Values.of(ints(" ".join(extras))),
+            Values.of(prefill_heads),
+            ANY,
+            dtypes,
+            (Declaration(shown(prefill), extra_at, text.splitlines()[extra_at - 1].strip()),),
+            notes,
+        ),
+    }
 
 
 def _flashinfer_runtime_pages(
@@ -181,57 +196,13 @@ def _flashinfer_runtime_pages(
     plan = root / "data" / "include" / "flashinfer" / "attention" / "sparse_mla_sm120"
     plan = plan / "execution" / "attention_plan.h"
     text = read_text(plan, "FlashInfer's SM120 page rule")
-    runtime = search_text(
-        text, r"constexpr bool runtime_page\(ModelType model\) \{[^}]*\}", plan, "runtime_page()"
-    )
-    if not re.search(r"ModelType::DSV4\b", runtime.group(0)):
-        raise Unreadable(f"runtime_page() in {shown(plan)} does not list ModelType::DSV4")
-    rule = search_text(
-        text,
-        r"return runtime_page\(model\) \? page > 0 : page == FixedPageSize;",
-        plan,
-        "main_page_supported()",
-    )
-    rule_source = declared_at(text, rule, plan)
-    runtime_source = declared_at(text, runtime, plan)
-
-    resolve = root / "data" / "csrc" / "sparse_mla_sm120" / "attention_resolve.cu"
-    resolved = read_text(resolve, "FlashInfer's SM120 attention resolver")
-    main = search_text(
-        resolved, r"main_page_supported\(mt, m\.page_size\)", resolve, "the main page check"
-    )
-    extra = search_text(
-        resolved,
-        r"main_page_supported\(mt, m\.extra_page_size\)",
-        resolve,
-        "the extra page check",
-    )
-    main_source = declared_at(resolved, main, resolve)
-    extra_source = declared_at(resolved, extra, resolve)
-
-    # Prefill instantiates fixed head counts: HEAD(n) under each `if constexpr`
-    # whose multi-group (mg) arm names ModelType::DSV4.
-    visit = search_text(
-        text,
-        r"PrefillLaunchResult visit_prefill_heads\(int heads, F&& call\) \{(.*?)#undef HEAD",
-        plan,
-        "visit_prefill_heads()",
-        re.S,
-    )
-    prefill_heads: set[int] = set()
-    for condition, heads in re.findall(
-        r"if constexpr \((.*?)\) \{\s*((?:HEAD\(\d+\)\s*)+)\}", visit.group(1), re.S
-    ):
-        if re.search(r"mg && (?:\(inline_scale \|\| )?MT == ModelType::DSV4\b", condition):
-            prefill_heads |= ints(heads)
-    if not prefill_heads:
-        raise Unreadable(f"visit_prefill_heads() in {shown(plan)} lists no DSV4 head counts")
-    heads_source = declared_at(text, visit, plan)
+    common = _runtime_page_rule(text, plan)
+    main_source, extra_source = _resolver_page_checks(root)
+    prefill_heads, heads_source = _runtime_prefill_heads(text, plan)
 
     decode_heads, decode_topk = _config_heads(config), _config_topk(config)
     dtypes = _config_dtypes(config)
     rows_note = "any positive page size (runtime_page includes ModelType::DSV4)"
-    common = (rule_source, runtime_source)
 
     def envelope(
         kernel: str, heads: Values, topk: Values, own: Declaration, *more: Declaration
@@ -262,6 +233,62 @@ def _flashinfer_runtime_pages(
             FLASHINFER_PREFILL_EXTRA, Values.of(prefill_heads), ANY, extra_source, heads_source
         ),
     }
+
+
+def _runtime_page_rule(text: str, plan: Path) -> tuple[Declaration, Declaration]:
+    """Where ``plan`` (FlashInfer's attention plan header, read as ``text``)
+    lets DSV4 pages be any positive size: the page rule, then ``runtime_page``."""
+    runtime = search_text(
+        text, r"constexpr bool runtime_page\(ModelType model\) \{[^}]*\}", plan, "runtime_page()"
+    )
+    if not re.search(r"ModelType::DSV4\b", runtime.group(0)):
+        raise Unreadable(f"runtime_page() in {shown(plan)} does not list ModelType::DSV4")
+    rule = search_text(
+        text,
+        r"return runtime_page\(model\) \? page > 0 : page == FixedPageSize;",
+        plan,
+        "main_page_supported()",
+    )
+    return declared_at(text, rule, plan), declared_at(text, runtime, plan)
+
+
+def _resolver_page_checks(root: Path) -> tuple[Declaration, Declaration]:
+    """Where FlashInfer's SM120 resolver checks the main page, then the extra
+    page, with ``main_page_supported``."""
+    resolve = root / "data" / "csrc" / "sparse_mla_sm120" / "attention_resolve.cu"
+    resolved = read_text(resolve, "FlashInfer's SM120 attention resolver")
+    main = search_text(
+        resolved, r"main_page_supported\(mt, m\.page_size\)", resolve, "the main page check"
+    )
+    extra = search_text(
+        resolved,
+        r"main_page_supported\(mt, m\.extra_page_size\)",
+        resolve,
+        "the extra page check",
+    )
+    return declared_at(resolved, main, resolve), declared_at(resolved, extra, resolve)
+
+
+def _runtime_prefill_heads(text: str, plan: Path) -> tuple[set[int], Declaration]:
+    """The head counts prefill instantiates for DSV4, and where they are listed."""
+    # Prefill instantiates fixed head counts: HEAD(n) under each `if constexpr`
+    # whose multi-group (mg) arm names ModelType::DSV4.
+    visit = search_text(
+        text,
+        r"PrefillLaunchResult visit_prefill_heads\(int heads, F&& call\) \{(.*?)#undef HEAD",
+        plan,
+        "visit_prefill_heads()",
+        re.S,
+    )
+    prefill_heads: set[int] = set()
+    for condition, heads in re.findall(
+        r"if constexpr \((.*?)\) \{\s*((?:HEAD\(\d+\)\s*)+)\}", visit.group(1), re.S
+    ):
+        if re.search(r"mg && (?:\(inline_scale \|\| )?MT == ModelType::DSV4\b", condition):
+            prefill_heads |= ints(heads)
+    if not prefill_heads:
+        raise Unreadable(f"visit_prefill_heads() in {shown(plan)} lists no DSV4 head counts")
+    return prefill_heads, declared_at(text, visit, plan)
 
 
 def flashinfer_envelopes() -> dict[str, KernelEnvelope]:
