@@ -40,7 +40,8 @@ class Write(NamedTuple):
 
 
 class Writes:
-    """The writers of each step, checked."""
+    """Each step's zeroing and writes, checked; the records they leave are
+    kept in ``stored`` for the reads."""
 
     def __init__(
         self,
