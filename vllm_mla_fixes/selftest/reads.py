@@ -65,6 +65,9 @@ class AttentionReads:
         replay: ReplayView | None,
         lower: list[int],
     ) -> None:
+        """Layer ``layer``'s attention for each row of the step (of its kept
+        rows under ``replay``); each request's window starts no lower than its
+        position in ``lower``."""
         plan, model, inputs = batch.plan, self.model, self.inputs
         reader = self.layout.readers[layer]
         ratio = model.compress_ratios[layer]
