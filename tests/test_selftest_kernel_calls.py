@@ -61,23 +61,24 @@ COMPRESSED_CACHE_ATTRIBUTES = ("kv_mxfp8", "compressed_bytes_per_token", "kv_pag
 def _record(arch: str):
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.selftest.reads import IndexerReads
     from vllm_mla_fixes.selftest.timeline import StepPlan
 
     calls: list[kc.Call] = []
     caller = ["builder"]
-    original = harness.Run.read_indexer
+    original = IndexerReads.read_indexer
 
-    def read_indexer(run, batch, cache, md, replay):
+    def read_indexer(reads, batch, cache, md, replay):
         imd = md[cache.name]
         if imd.num_decodes and imd.prefill is None:  # a decode-only step
-            model = run.model
+            model = reads.model
             rows = imd.num_decode_tokens
             q = torch.randn(rows, model.index_heads, 128).to(torch.float8_e4m3fn)
             caller[0] = "vllm"
-            kc.vllm_indexer_decode(run.layout, cache, md, q, torch.rand(rows, model.index_heads))
+            kc.vllm_indexer_decode(reads.layout, cache, md, q, torch.rand(rows, model.index_heads))
         caller[0] = "selftest"
         try:
-            return original(run, batch, cache, md, replay)
+            return original(reads, batch, cache, md, replay)
         finally:
             caller[0] = "builder"
 
@@ -89,12 +90,12 @@ def _record(arch: str):
         StepPlan("C prefill", (("C", None),), ("indexer-prefill",)),
         StepPlan("C decode", (("C", 1),), ()),
     )
-    harness.Run.read_indexer = read_indexer
+    IndexerReads.read_indexer = read_indexer
     try:
         with kc.pretend_gpu(arch), kc.recording(calls, caller):
             result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
     finally:
-        harness.Run.read_indexer = original
+        IndexerReads.read_indexer = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
     return calls, result
 
@@ -159,33 +160,34 @@ def _record_writers(arch: str):
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
     from vllm_mla_fixes.selftest.timeline import StepPlan
+    from vllm_mla_fixes.selftest.writes import Writes
 
     calls: list[kc.Call] = []
     caller = ["builder"]
-    original = harness.Run.write
+    original = Writes.write
     caches = []
 
-    def write(run, batch, block_ids):
+    def write(writes, batch, block_ids):
         caller[0] = "vllm"
-        caches[:] = [*run.layout.by_kind("swa"), *run.layout.by_kind("compressed")]
-        rows, positions, cos_sin = run.inputs.rows, batch.positions, run.inputs.cos_sin_dev
+        caches[:] = [*writes.layout.by_kind("swa"), *writes.layout.by_kind("compressed")]
+        rows, positions, cos_sin = writes.inputs.rows, batch.positions, writes.inputs.cos_sin_dev
         # vLLM's main forward publishes each layer's window KV with the query
         # it projects (DeepseekV4Attention._prepare_and_attn).
-        for cache in run.layout.by_kind("swa"):
-            kv = rows(run.inputs.swa, cache.layer, batch, batch.num_tokens_padded)
-            kc.vllm_window_kv_insert(run.layout, cache, batch.metadata, kv, positions, cos_sin)
+        for cache in writes.layout.by_kind("swa"):
+            kv = rows(writes.inputs.swa, cache.layer, batch, batch.num_tokens_padded)
+            kc.vllm_window_kv_insert(writes.layout, cache, batch.metadata, kv, positions, cos_sin)
         # A kv source's compressor publishes its latent (DeepseekCompressor.insert_cache),
         # and its indexer turns the latent into index keys (DeepseekV4Indexer._produce_k).
         for kind, vllm_writer in (
             ("compressed", kc.vllm_compressed_insert),
             ("indexer", kc.vllm_produce_k),
         ):
-            for cache in run.layout.by_kind(kind):
-                latent = rows(run.inputs.latent, cache.layer, batch, batch.num_tokens_padded)
-                vllm_writer(run.layout, cache, batch.metadata, latent, positions, cos_sin)
+            for cache in writes.layout.by_kind(kind):
+                latent = rows(writes.inputs.latent, cache.layer, batch, batch.num_tokens_padded)
+                vllm_writer(writes.layout, cache, batch.metadata, latent, positions, cos_sin)
         caller[0] = "selftest"
         try:
-            return original(run, batch, block_ids)
+            return original(writes, batch, block_ids)
         finally:
             caller[0] = "builder"
 
@@ -193,7 +195,7 @@ def _record_writers(arch: str):
     sources = {**cpu.sources, kn.SWA_WRITER: "real (vLLM CUDA op)"}  # the write reaches the op
     device = kn.Device("cuda", torch.device("cpu"), f"pretend {arch}", kc.ARCHS[arch][0])
     plans = (StepPlan("C prefill", (("C", None),), ()), StepPlan("C decode", (("C", 1),), ()))
-    harness.Run.write = write
+    Writes.write = write
     try:
         with (
             kc.pretend_gpu(arch),
@@ -205,7 +207,7 @@ def _record_writers(arch: str):
             result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
             layer = _layer_cache_arguments()
     finally:
-        harness.Run.write = original
+        Writes.write = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
     return calls, layer, caches
 
@@ -350,6 +352,7 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
     from vllm_mla_fixes.selftest import harness
     from vllm_mla_fixes.selftest import kernels as kn
     from vllm_mla_fixes.selftest.timeline import StepPlan
+    from vllm_mla_fixes.selftest.writes import Writes
 
     cpu = kn.Kernels.for_device(kn.detect_device())
     device = kn.Device("cuda", torch.device("cpu"), "pretend sm100", kc.ARCHS["sm100"][0])
@@ -358,20 +361,20 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
         StepPlan("C decode", (("C", 1),), ()),
     )
     records = []
-    original = harness.Run.write
+    original = Writes.write
 
-    def write(run, batch, block_ids):
-        records.append(run.layout.kv_records)
-        return original(run, batch, block_ids)
+    def write(writes, batch, block_ids):
+        records.append(writes.layout.kv_records)
+        return original(writes, batch, block_ids)
 
-    harness.Run.write = write
+    Writes.write = write
     try:
         with kc.pretend_gpu("sm100"), kc.recording([], ["selftest"]):
             result = harness.run_geometry(
                 "split", device, kn.Kernels(device, cpu.sources), plans=plans
             )
     finally:
-        harness.Run.write = original
+        Writes.write = original
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
     assert records and all(
         r.mxfp8 and r.swa_bytes_per_token == r.compressed_bytes_per_token == 528 for r in records

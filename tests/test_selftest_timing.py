@@ -136,8 +136,8 @@ def _cpu():
 @pytest.mark.vllm_release("0.34.0")  # where upstream's own layout reads back exactly on CPU
 def test_fix_and_upstream_are_timed_in_one_process_on_equal_work():
     from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.harness import TIMED_KERNELS
     from vllm_mla_fixes.selftest.pairing import UPSTREAM, time_decode_step
+    from vllm_mla_fixes.selftest.timed_step import TIMED_KERNELS
 
     device, kernels = _cpu()
     timing = time_decode_step(
@@ -174,8 +174,9 @@ def _cache(kernel: str, launch) -> torch.Tensor:
 
 @pytest.mark.vllm_release(*DSV41)
 def test_the_dense_baseline_reads_what_the_fix_reads_on_packed_pages():
-    from vllm_mla_fixes.selftest.harness import TIMED_KERNELS, timed_step_launches
+    from vllm_mla_fixes.selftest.harness import timed_step_launches
     from vllm_mla_fixes.selftest.pairing import DENSE, dense_launch, time_decode_step
+    from vllm_mla_fixes.selftest.timed_step import TIMED_KERNELS
 
     device, kernels = _cpu()
     result, launches = timed_step_launches("split", device, kernels, _plans(), PLANS_NAMES[1])

@@ -10,7 +10,8 @@ the writers vLLM uses on this device and reads them back with the readers:
 FlashInfer's SM120 sparse-MLA decode and prefill, DeepGEMM's paged MQA logits
 and the indexer-K gather on an SM12x GPU, PyTorch stand-ins for whatever the
 device lacks (:mod:`.kernels`).  Every read is compared with a dense PyTorch
-reference, and a sentinel fill accounts for every byte (:mod:`.harness`).
+reference, and a sentinel fill accounts for every byte (:mod:`.harness`,
+:mod:`.accounting`).
 
 Geometries: the fix's default (interleaved split) and its fallback (per-ratio)
 must pass; the control (the split with untranslated ratio-1 writer slots, the

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, cast
 from vllm_mla_fixes import children
 
 if TYPE_CHECKING:
-    from .harness import GeometryResult
     from .kernels import Device
     from .pairing import DecodeTiming
+    from .results import GeometryResult
 
 _KERNEL_NAME_BYTES = 255
 
@@ -243,7 +243,7 @@ def _where(kernel: str) -> str:
 
 
 def _geometry_result(name: str, outcome: object, limit_seconds: float) -> GeometryResult:
-    from .harness import GeometryResult, new_result
+    from .results import GeometryResult, new_result
 
     if isinstance(outcome, GeometryResult):
         return outcome

@@ -559,42 +559,28 @@ def _upstream_refusal(
     return None
 
 
-def build_layout(
-    geometry: Geometry, model: TinyModel, sentinel: int, device: torch.device | str = "cpu"
-) -> Layout:
-    """Specs, groups, allocation, attention groups and builders, kernel views,
-    bindings and the zeroer, on ``device``; the allocation filled with ``sentinel``."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
-    from vllm.v1.worker.utils import (
-        AttentionGroup,
-        KVBlockZeroer,
-        allocate_kv_cache,
-        customize_attention_spec,
-        map_kv_caches_to_kernel_blocks,
-        prepare_kernel_block_sizes,
-    )
+def _specs(modules: dict[str, CacheModule], cfg: SimpleNamespace) -> dict[str, object]:
+    """Each cache's spec as ``attn_utils.get_kv_cache_spec`` builds it."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import customize_attention_spec
 
-    from .reference import storage_bytes
-
-    device = torch.device(device)
-    block_size = model.block_size if geometry.via_plugin else upstream_block_size()
-    cfg = make_config(model, block_size, kv_connector=geometry.kv_connector)
-    records = kv_records()
-    modules, readers = _make_caches(model, cfg, device, records)
-
-    # Specs as attn_utils.get_kv_cache_spec builds them.
     specs = {}
     for name, module in modules.items():
         spec = _spec_of(module, cfg)
         if isinstance(spec, AttentionSpec):
             spec = customize_attention_spec(module.backend, spec)
         specs[name] = spec
+    return specs
 
-    planner = _kv_cache_planner()
-    groups = planner.get_kv_cache_groups(cfg, specs)
-    kv_cache_config = planner.get_kv_cache_config_from_groups(cfg, groups, 1 << 40)
 
-    # Phase 1 of init_attn_backend: one AttentionGroup per (backend, spec).
+def _attention_groups(
+    kv_cache_config: Any, modules: dict[str, CacheModule]
+) -> tuple[list[list[Any]], dict[str, CacheGrouping]]:
+    """Phase 1 of ``init_attn_backend``: one ``AttentionGroup`` per (backend,
+    spec) in each KV-cache group; and where each cache went."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+    from vllm.v1.worker.utils import AttentionGroup
+
     attn_groups: list[list[Any]] = []
     grouping: dict[str, CacheGrouping] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -611,6 +597,33 @@ def build_layout(
                 keyed[key].layer_names.append(name)
             grouping[name] = CacheGrouping(spec, gid, keyed[key])
         attn_groups.append(list(keyed.values()))
+    return attn_groups, grouping
+
+
+def build_layout(
+    geometry: Geometry, model: TinyModel, sentinel: int, device: torch.device | str = "cpu"
+) -> Layout:
+    """Specs, groups, allocation, attention groups and builders, kernel views,
+    bindings and the zeroer, on ``device``; the allocation filled with ``sentinel``."""
+    from vllm.v1.worker.utils import (
+        KVBlockZeroer,
+        allocate_kv_cache,
+        map_kv_caches_to_kernel_blocks,
+        prepare_kernel_block_sizes,
+    )
+
+    from .reference import storage_bytes
+
+    device = torch.device(device)
+    block_size = model.block_size if geometry.via_plugin else upstream_block_size()
+    cfg = make_config(model, block_size, kv_connector=geometry.kv_connector)
+    records = kv_records()
+    modules, readers = _make_caches(model, cfg, device, records)
+
+    planner = _kv_cache_planner()
+    groups = planner.get_kv_cache_groups(cfg, _specs(modules, cfg))
+    kv_cache_config = planner.get_kv_cache_config_from_groups(cfg, groups, 1 << 40)
+    attn_groups, grouping = _attention_groups(kv_cache_config, modules)
 
     kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attn_groups)
     for gid, groups_of_gid in enumerate(attn_groups):

@@ -7,7 +7,7 @@ CUDA-graph padded decode of two requests), recorded at the kernel boundary
 (:class:`.kernels.Launch`) and made again alone, CUDA events around each
 layout's launches of one kernel.  Only the backbone layers' launches count:
 upstream's layout has no drafter layer, so both sides time the same layers,
-batch and rows (:func:`.harness.timed_work`; unequal work is refused).
+batch and rows (:func:`.timed_step.timed_work`; unequal work is refused).
 
 Both layouts are built and run up to the timed step in this one process; then
 the rounds interleave them (fix, baseline, baseline, fix, ...), and each
@@ -30,7 +30,8 @@ import torch
 
 from . import clock
 from . import kernels as kn
-from .harness import TIMED_KERNELS, TIMED_STEP, TimedLaunch, timed_step_launches, timed_work
+from .harness import timed_step_launches
+from .timed_step import TIMED_KERNELS, TIMED_STEP, TimedLaunch, timed_work
 from .timeline import TIMELINE, StepPlan
 
 FIX_GEOMETRY = "split"  # the fix's default layout

@@ -9,9 +9,10 @@ from typing import Any
 from . import bounds as bd
 from . import clock
 from . import kernels as kn
-from .harness import TIMED_KERNELS, TIMED_STEP, GeometryResult
 from .layout import TinyModel
 from .pairing import BASELINES, WHAT_IS_TIMED, DecodeTiming
+from .results import GeometryResult
+from .timed_step import TIMED_KERNELS, TIMED_STEP
 from .timeline import CASES
 from .timing import StepCost
 from .verdicts import (
