@@ -98,9 +98,9 @@ class Writes:
     def stale_slot_buffers(self) -> None:
         """Fill the fix's persistent slot buffers with valid-looking slots, as a
         longer earlier step leaves them: graph-padding rows must not reuse them."""
-        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import _SLOT_BUFFERS
+        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import SLOT_BUFFERS
 
-        for slots, blocks in list(_SLOT_BUFFERS.values()):
+        for slots, blocks in list(SLOT_BUFFERS.values()):
             slots.copy_(torch.arange(slots.numel(), device=slots.device))
             blocks.fill_(1)
 

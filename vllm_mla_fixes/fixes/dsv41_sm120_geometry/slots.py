@@ -16,14 +16,14 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     PageGeometryError,
 )
 
-_SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def slot_buffers(builder: Any) -> tuple[Any, Any]:
     """Persistent (slots, block index) buffers of one metadata builder, sized
     for the scheduler's token budget: allocated once (when the views are
     bound, or on a builder's first build), reused every step."""
-    buffers = _SLOT_BUFFERS.get(builder)
+    buffers = SLOT_BUFFERS.get(builder)
     if buffers is None:
         import torch
 
@@ -33,7 +33,7 @@ def slot_buffers(builder: Any) -> tuple[Any, Any]:
             torch.empty(tokens, dtype=torch.int64, device=device),
             torch.empty(tokens, dtype=torch.int64, device=device),
         )
-        _SLOT_BUFFERS[builder] = buffers
+        SLOT_BUFFERS[builder] = buffers
     return buffers
 
 
