@@ -47,6 +47,7 @@ from .env import drafter_pages_at_128, one_torch_thread, simulated_sm120_host
 from .findings import DeviceFault, Findings
 from .inputs import DenseReference, Inputs
 from .layout import GEOMETRIES, Geometry, Layout, TinyModel, build_layout, describe
+from .phase import RunParts
 from .reads import AttentionReads, IndexerReads
 from .results import GeometryResult, new_result
 from .timed_step import TIMED_STEP, TimedLaunch, TimedStep, timed_work
@@ -82,11 +83,10 @@ class Run:
         stored = records.Stored(layout.model.max_model_len, shares, ref.index_scales_are_ue8m0x4())
         self.findings = Findings(result, kernels, layout.device, self.model.q_heads, entering)
         self.timed = TimedStep(kernels, self.model.backbone_layers)
-        self.writes = Writes(layout, kernels, self.inputs, self.dense, stored, self.findings)
-        self.attention = AttentionReads(
-            layout, kernels, self.inputs, stored, self.findings, self.timed, random.Random(seed)
-        )
-        self.indexer = IndexerReads(layout, kernels, self.inputs, stored, self.findings, self.timed)
+        parts = RunParts(layout, kernels, self.inputs, stored, self.findings)
+        self.writes = Writes(parts, self.dense)
+        self.attention = AttentionReads(parts, self.timed, random.Random(seed))
+        self.indexer = IndexerReads(parts, self.timed)
 
     def step(self, plan: StepPlan) -> None:
         scheduled = []

@@ -16,9 +16,8 @@ from . import bounds as bd
 from . import kernels as kn
 from . import records
 from . import reference as ref
-from .findings import Findings
-from .inputs import Inputs
-from .layout import CacheLayer, Layout
+from .layout import CacheLayer
+from .phase import Phase, RunParts
 from .timed_step import TimedStep
 from .timeline import Batch, ReplayView, StepPlan
 
@@ -34,26 +33,12 @@ def request_rows(batch: Batch, replay: ReplayView | None) -> list[tuple[int, int
     return out
 
 
-class AttentionReads:
+class AttentionReads(Phase):
     """One layer's attention for every row of the step, through vLLM's
     ``_forward_decode`` / ``_forward_prefill``."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        kernels: kn.Kernels,
-        inputs: Inputs,
-        stored: records.Stored,
-        findings: Findings,
-        timed: TimedStep,
-        rng: random.Random,
-    ):
-        self.layout = layout
-        self.model = layout.model
-        self.kernels = kernels
-        self.inputs = inputs
-        self.stored = stored
-        self.findings = findings
+    def __init__(self, parts: RunParts, timed: TimedStep, rng: random.Random):
+        super().__init__(parts)
         self.timed = timed
         self.rng = rng
 
@@ -211,25 +196,12 @@ class AttentionReads:
         return chosen
 
 
-class IndexerReads:
+class IndexerReads(Phase):
     """One indexer cache's reads of the step: the decode logits (and top-k)
     and the prefill K gather."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        kernels: kn.Kernels,
-        inputs: Inputs,
-        stored: records.Stored,
-        findings: Findings,
-        timed: TimedStep,
-    ):
-        self.layout = layout
-        self.model = layout.model
-        self.kernels = kernels
-        self.inputs = inputs
-        self.stored = stored
-        self.findings = findings
+    def __init__(self, parts: RunParts, timed: TimedStep):
+        super().__init__(parts)
         self.timed = timed
 
     def read_indexer(

@@ -19,9 +19,9 @@ from . import kernels as kn
 from . import records
 from . import reference as ref
 from .accounting import SENTINEL
-from .findings import Findings
-from .inputs import DenseReference, Inputs
-from .layout import CacheLayer, Layout
+from .inputs import DenseReference
+from .layout import CacheLayer
+from .phase import Phase, RunParts
 from .timeline import Batch, StepPlan
 
 
@@ -39,27 +39,14 @@ class Write(NamedTuple):
     call: Callable[[], object]
 
 
-class Writes:
+class Writes(Phase):
     """Each step's zeroing and writes, checked; the records they leave are
     kept in ``stored`` for the reads."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        kernels: kn.Kernels,
-        inputs: Inputs,
-        dense: DenseReference,
-        stored: records.Stored,
-        findings: Findings,
-    ):
-        self.layout = layout
-        self.model = layout.model
-        self.kernels = kernels
-        self.inputs = inputs
+    def __init__(self, parts: RunParts, dense: DenseReference):
+        super().__init__(parts)
         self.dense = dense
-        self.stored = stored
-        self.findings = findings
-        self.result = findings.result
+        self.result = parts.findings.result
 
     def zero_new_blocks(self, plan: StepPlan, batch: Batch) -> None:
         """vLLM's ``KVBlockZeroer`` on the blocks the scheduler lists as new:
