@@ -183,6 +183,7 @@ def _release_session(release: str):
             release,
             f"--numprocesses={TEST_WORKERS}",
             "--dist=loadfile",
+            "--durations=15",  # the slowest tests, in every CI log: where its time goes
             *session.posargs,
             env=CPU_TEST_ENV,
         )
