@@ -76,3 +76,12 @@ def test_an_unknown_option_is_refused_in_vllm_serves_words(parsers):
     with serve_line.cuda_device_type_while_parsing():
         with pytest.raises(serve_line.Rejected, match="unrecognized arguments: --no-such-flag"):
             serve_line.parse(["vllm", "serve", "m", "--no-such-flag"])
+
+
+def test_where_the_cli_module_is_built_otherwise_its_own_subcommand_builds_the_parser(
+    parsers, monkeypatch
+):
+    monkeypatch.setattr(serve_line, "serve_options_module", lambda: None)
+    with serve_line.cuda_device_type_while_parsing():
+        fallback = serve_line.serve_parser()
+    assert _serve_options(fallback) == _serve_options(parsers[1])
