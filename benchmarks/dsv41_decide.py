@@ -29,8 +29,8 @@ def main() -> None:
     import vllm
 
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
     dspark = capacity.speculative_config_as_written(capacity.DSPARK_OPTIONS)
     lines = {

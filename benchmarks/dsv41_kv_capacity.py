@@ -3,7 +3,7 @@
 Runs on CPU in a vLLM 0.32.0, 0.33.0 or 0.34.0 environment.  The figures come
 from vLLM's own planner and start-up token figure, per GiB per TP rank, for the
 dossier's 40-layer DeepSeek-V4.1-Flash layout; the computation lives in
-``vllm_mla_fixes.reproductions.dsv41_capacity`` (``doctor`` quotes it too).
+``vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.capacity`` (``doctor`` quotes it too).
 
 Rows: upstream ``--block-size 128`` and ``--block-size 64``; the fix's default geometry (interleaved split) and its
 fallback (per-ratio, forced with ``VLLM_MLA_FIXES_DSV41_GEOMETRY=per-ratio``);
@@ -31,9 +31,9 @@ def main() -> None:
 
     import vllm
 
-    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
-    from vllm_mla_fixes.reproductions import dsv41_truth_table as table
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table
 
     lens = tuple(args.max_model_len)
     rows = capacity.benchmark_rows(lens)

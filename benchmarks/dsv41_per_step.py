@@ -32,7 +32,7 @@ def main() -> None:
     import vllm
 
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
     torch.set_num_threads(1)
     with repro.applied((12, 0)):

@@ -24,7 +24,7 @@ def _no_gpu() -> bool:
 if _no_gpu():
     # The DeepSeek-V4.1 self-test runs vLLM's Triton kernels on CPU: Triton's
     # interpreter must be chosen before any test imports vLLM.
-    from vllm_mla_fixes.selftest.env import prepare_process_env
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import prepare_process_env
 
     prepare_process_env()
 

@@ -408,7 +408,7 @@ def pretend_gpu(arch: str):
     from vllm.platforms import current_platform
     from vllm.platforms.interface import PlatformEnum
 
-    from vllm_mla_fixes.selftest.env import simulated_sm120_host
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import simulated_sm120_host
 
     capability, sm_count = ARCHS[arch]
     preload()

@@ -22,7 +22,7 @@ from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 pytestmark = [
     pytest.mark.vllm_release(*covered(DSV41)),

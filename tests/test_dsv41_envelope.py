@@ -477,7 +477,7 @@ def test_statements_are_what_vllm_answers_on_sm12x(fresh, capability):
     from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 
-    from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import sm120_platform
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import sm120_platform
 
     statements = {s.name: s for s in fresh.vllm_statements(capability)}
     expected = STATEMENTS[_release()]
@@ -528,7 +528,7 @@ def test_unset_block_size_is_what_vllm_picks_on_sm12x():
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.platforms import current_platform
 
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
     with repro.sm120_platform():
         config = VllmConfig(
@@ -550,8 +550,8 @@ ROWS = (2, 16, 32, 64, 128, 256)
 
 
 def test_paged_logits_stand_in_takes_the_pages_deepgemm_declares():
-    from vllm_mla_fixes.selftest.env import simulated_sm120_host
-    from vllm_mla_fixes.selftest.kernels import paged_mqa_logits_stand_in
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import simulated_sm120_host
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import paged_mqa_logits_stand_in
 
     declared = env.kernel_envelopes()[env.DEEPGEMM_LOGITS_FP8]
     heads = 32
@@ -574,7 +574,7 @@ def test_paged_logits_stand_in_takes_the_pages_deepgemm_declares():
 def test_sparse_mla_stand_in_takes_the_pages_flashinfer_declares():
     """A call may be routed to decode or prefill: a page is taken when both
     kernels' declarations take it (primary and extra cache alike)."""
-    from vllm_mla_fixes.selftest.kernels import flashinfer_page_problem
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import flashinfer_page_problem
 
     envelopes = env.kernel_envelopes()
 
@@ -592,7 +592,7 @@ def test_sparse_mla_stand_in_takes_the_pages_flashinfer_declares():
 
 
 def test_gather_stand_in_takes_any_page_as_the_op_does():
-    from vllm_mla_fixes.selftest.kernels import gather_indexer_k_stand_in
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import gather_indexer_k_stand_in
 
     assert env.kernel_envelopes()[env.INDEXER_GATHER].rows == env.ANY
     for rows in ROWS:

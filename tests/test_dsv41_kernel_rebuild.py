@@ -31,8 +31,8 @@ def decided_here() -> dict:
     and the decision for 0.34.0's --block-size 64 line on SM120."""
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
-    from vllm_mla_fixes.reproductions import dsv41_truth_table as table
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table
 
     envelopes = envelope.kernel_envelopes()
     with repro.sm120_platform():

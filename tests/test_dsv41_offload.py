@@ -25,15 +25,15 @@ pytestmark = pytest.mark.vllm_release("0.34.0")
 
 
 def _offload_step():
-    from vllm_mla_fixes.selftest.timeline import TIMELINE
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import TIMELINE
 
     prefill = TIMELINE[0]  # A's first chunk: 128 tokens, both ratio-1 kernel pages of a block
     return (dataclasses.replace(prefill, cases=("offload-reload",), offload=("A",)),)
 
 
 def _run(geometry: str):
-    from vllm_mla_fixes.selftest import harness
-    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
     return harness.run_geometry(geometry, kn.detect_device(), plans=_offload_step())
 
@@ -62,7 +62,7 @@ def _per_layer_pages(layout):
 
 
 def test_a_per_layer_page_mover_loses_interleaved_ratio1_bytes(monkeypatch):
-    from vllm_mla_fixes.selftest import timeline
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import timeline
 
     monkeypatch.setattr(timeline, "offload_regions", _per_layer_pages)
     result = _run("split")

@@ -19,7 +19,7 @@ from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 

@@ -24,7 +24,7 @@ import pytest
 from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 
@@ -114,7 +114,7 @@ WORKERS_DISAGREE_UNDER_O = textwrap.dedent(
     import os, sys
     assert False, "this interpreter keeps asserts"
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
     from vllm.v1.core import kv_cache_planning
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
@@ -192,7 +192,7 @@ def test_block_copy_through_the_per_cache_path_covers_each_pair_region():
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.worker import utils as worker_utils
 
-    from vllm_mla_fixes.selftest.env import simulated_sm120_host
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import simulated_sm120_host
 
     # No driver to pin host memory with: vLLM's copy stages its indices unpinned.
     with simulated_sm120_host(), repro.applied((12, 0)):

@@ -23,7 +23,7 @@ from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.patching import State, run_fix
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 # The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/test_dsv41_release_0_34.py).
@@ -627,7 +627,7 @@ def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, r
     upstream's working --block-size 64 layout with the same drafter layers."""
     import re
 
-    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 
     lens = (8192,)
     settings = repro.EngineSettings(
@@ -968,7 +968,7 @@ def test_dspark_with_three_drafter_layers_holds_more_than_upstream_block_128(req
     where the drafter pages hold 128 rows.  0.32.0's FlashInfer decodes 64-row
     primary pages only: there the drafter layers open a tenth KV-cache group,
     and the split holds 0.993x / 0.997x (docs/measurements.md, issue 18's closing note)."""
-    from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 
     drafters = (0, 0, 0)
     lens = capacity.MAX_MODEL_LENS

@@ -22,9 +22,9 @@ from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
-from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
-from vllm_mla_fixes.reproductions import dsv41_truth_table as table
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table
 
 pytestmark = [
     pytest.mark.vllm_release(*covered(DSV41)),

@@ -179,7 +179,7 @@ def test_fa4_call_probe_loads_through_sitecustomize_beside_the_fix(tmp_path):
 @pytest.fixture(scope="module")
 def harness_reads():
     """Per geometry, the first step of the self-test's serving timeline
-    (``vllm_mla_fixes.selftest``: vLLM's allocation, metadata and writers; caches
+    (``vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest``: vLLM's allocation, metadata and writers; caches
     filled with a sentinel and new blocks zeroed, as vLLM's zeroer does), with
     the GPU probe reading the pages of every attention call beside the harness's
     FlashInfer stand-in: the fix's default geometry, and the control (the split
@@ -187,9 +187,9 @@ def harness_reads():
     import torch
     from gpu.inprocess import call_probes
 
-    from vllm_mla_fixes.selftest import harness
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.timeline import TIMELINE
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import TIMELINE
 
     device = kn.detect_device()
     runs = {}
@@ -366,7 +366,7 @@ def test_indexer_probe_flags_decode_logits_read_with_another_page_geometry(tmp_p
     import torch
     from gpu.inprocess import call_probes
 
-    from vllm_mla_fixes.selftest.kernels import paged_mqa_logits_stand_in
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import paged_mqa_logits_stand_in
 
     monkeypatch.setenv(call_probes.LOG_ENV, str(tmp_path / "calls.jsonl"))
     cache = _indexer_cache(pages=6, rows=64, seed=3)
@@ -408,7 +408,7 @@ def test_indexer_probe_counts_gathered_keys_read_with_another_page_geometry(tmp_
     import torch
     from gpu.inprocess import call_probes
 
-    from vllm_mla_fixes.selftest.kernels import gather_indexer_k_stand_in
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import gather_indexer_k_stand_in
 
     monkeypatch.setenv(call_probes.LOG_ENV, str(tmp_path / "calls.jsonl"))
     cache = _indexer_cache(pages=6, rows=64, seed=5)

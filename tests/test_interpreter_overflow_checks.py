@@ -19,7 +19,7 @@ import pytest
 import torch
 from fix_releases import DSV41, covered
 
-from vllm_mla_fixes.selftest.env import skip_discarded_overflow_checks
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import skip_discarded_overflow_checks
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 

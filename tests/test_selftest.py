@@ -38,7 +38,7 @@ from pathlib import Path
 import fix_releases
 import pytest
 
-from vllm_mla_fixes.selftest.timeline import CASES
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import CASES
 
 DSV41 = fix_releases.covered(fix_releases.DSV41)
 TIMEOUT_S = 1800
@@ -409,7 +409,7 @@ def _swa_records(mxfp8: bool):
     """(record bytes the release names, the self-test's stand-in writer of it)."""
     from vllm.models.deepseek_v41.common.ops import cache_utils
 
-    from vllm_mla_fixes.selftest import kernels
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels
 
     if mxfp8:
         return cache_utils.V41_BYTES_PER_TOKEN, kernels.insert_mxfp8_records_stand_in
@@ -464,7 +464,7 @@ def test_swa_records_read_back_as_the_dense_reference(mxfp8):
         quantize_and_insert_k_cache,
     )
 
-    from vllm_mla_fixes.selftest import reference as ref
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
     record, _ = _swa_records(mxfp8)
     gen = torch.Generator().manual_seed(9)
@@ -507,7 +507,7 @@ def test_compressed_records_read_back_as_the_dense_reference(mxfp8):
         rope_quant_insert,
     )
 
-    from vllm_mla_fixes.selftest import reference as ref
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
     record, _ = _swa_records(mxfp8)
     gen = torch.Generator().manual_seed(13)

@@ -22,7 +22,7 @@ import fix_releases
 import pytest
 import torch
 
-from vllm_mla_fixes.selftest import bounds
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import bounds
 
 DSV41 = fix_releases.covered(fix_releases.DSV41)
 
@@ -53,7 +53,7 @@ def _rounded_attention(q, kv, scale):
     """The rounding steps the bound's derivation names, and no others: Q's NoPE
     dims and the NoPE part's P through e4m3 (per-64 scales), the RoPE part's P
     through bf16, the output through bf16 twice (split-K partial, merged row)."""
-    from vllm_mla_fixes.selftest import reference as ref
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
     q_nope = _e4m3_in_tiles(q[:, : ref.NOPE].float(), 64)
     logits = (q_nope @ kv[:, : ref.NOPE].T + q[:, ref.NOPE :].float() @ kv[:, ref.NOPE :].T) * scale
@@ -72,7 +72,7 @@ def test_the_attention_bound_holds_for_the_rounding_it_is_derived_from():
     heads, 1 to 200 candidates) through that rounding stay within the bound;
     the mean shows the rounding was exercised (measured: mean 0.023, worst
     0.039 of 200 rows, bound 0.060)."""
-    from vllm_mla_fixes.selftest import reference as ref
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
     gen = torch.Generator().manual_seed(27)
     bound = bounds.real_attention_bound(heads=8).value
@@ -108,12 +108,12 @@ def test_margin_is_error_over_bound_and_exact_bounds_take_only_zero():
 
 SHORT_RUN = """
 import json, sys
-from vllm_mla_fixes.selftest.env import prepare_process_env
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import prepare_process_env
 prepare_process_env()
 import vllm
-from vllm_mla_fixes.selftest import harness, kernels as kn
-from vllm_mla_fixes.selftest.report import Report
-from vllm_mla_fixes.selftest.timeline import TIMELINE
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness, kernels as kn
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.report import Report
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import TIMELINE
 device = kn.detect_device()
 kernels = kn.Kernels.for_device(device)
 result = harness.run_geometry("split", device, kernels, plans=TIMELINE[:4])

@@ -264,7 +264,7 @@ def test_a_stopping_signal_ends_every_child_group_then_acts_as_before(site, sign
 SELFTEST_HANG = """\
 # Every geometry starts a grandchild and hangs (tests/test_selftest_children.py).
 import hangers
-from vllm_mla_fixes.selftest import harness
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
 
 
 def run_geometry(name, device, kernels=None, entering=None, **kwargs):

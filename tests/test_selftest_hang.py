@@ -20,7 +20,7 @@ import pytest
 from test_selftest_children import _alive
 from test_selftest_isolation import ISOLATED_RUN_ON, _finish, _geometry, _selftest
 
-from vllm_mla_fixes.selftest import kernels as kn
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
 HANG = """\
 # A geometry whose kernel never returns (tests/test_selftest_hang.py).
@@ -28,8 +28,8 @@ import os
 import subprocess
 import time
 
-from vllm_mla_fixes.selftest import harness
-from vllm_mla_fixes.selftest import kernels as kn
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
 def run_geometry(name, device, kernels=None, entering=None, **kwargs):
     if name == "fallback":

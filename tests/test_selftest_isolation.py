@@ -27,9 +27,9 @@ import fix_releases
 import pytest
 import torch
 
-from vllm_mla_fixes.selftest import harness, plan_geometries
-from vllm_mla_fixes.selftest import kernels as kn
-from vllm_mla_fixes.selftest.timeline import CASES
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness, plan_geometries
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import CASES
 
 ROOT = Path(__file__).resolve().parents[1]
 DSV41 = fix_releases.covered(fix_releases.DSV41)
@@ -44,9 +44,9 @@ import signal
 
 import torch
 
-from vllm_mla_fixes.selftest import harness
-from vllm_mla_fixes.selftest import kernels as kn
-from vllm_mla_fixes.selftest.timeline import TIMELINE
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import TIMELINE
 
 _run_geometry = harness.run_geometry
 _faulted = []  # a CUDA error is sticky: once raised, every later call in the process raises
@@ -207,7 +207,7 @@ def _result(name: str, failed_case: str | None = None, block_size: int = 64):
 @pytest.mark.vllm_release(*DSV41)
 @pytest.mark.parametrize("upstream_fails", [False, True])
 def test_upstream_on_an_sm12x_gpu_is_a_finding_not_the_exit_status(upstream_fails):
-    from vllm_mla_fixes.selftest.report import Report
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.report import Report
 
     device = _device("cpu", None)
     kernels = kn.Kernels.for_device(device)

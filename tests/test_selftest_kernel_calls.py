@@ -59,10 +59,10 @@ COMPRESSED_CACHE_ATTRIBUTES = ("kv_mxfp8", "compressed_bytes_per_token", "kv_pag
 
 
 def _record(arch: str):
-    from vllm_mla_fixes.selftest import harness
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.reads import IndexerReads
-    from vllm_mla_fixes.selftest.timeline import StepPlan
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.reads import IndexerReads
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import StepPlan
 
     calls: list[kc.Call] = []
     caller = ["builder"]
@@ -102,7 +102,7 @@ def _record(arch: str):
 
 @pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_selftest_calls_paged_mqa_logits_as_vllm_does(arch):
-    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
     calls, result = _record(arch)
     logits = [c for c in calls if c.kernel == kc.PAGED_LOGITS]
@@ -132,7 +132,7 @@ def test_selftest_calls_paged_mqa_logits_as_vllm_does(arch):
 def _check_probe(arch: str, t: dict) -> None:
     from gpu.inprocess.call_probes import reference_paged_mqa_logits
 
-    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
     rows = reference_paged_mqa_logits(
         t["q"], t["kv_cache"], t["weights"], t["context_lens"], t["block_table"], t["q_sf"]
@@ -157,10 +157,10 @@ def _record_writers(arch: str):
     each step's window-KV and compressed-KV writes made first by vLLM's own
     writers and then by the self-test's, all recorded where the kernels
     stand; (calls, the layer's own cache arguments, the self-test's caches)."""
-    from vllm_mla_fixes.selftest import harness
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.timeline import StepPlan
-    from vllm_mla_fixes.selftest.writes import Writes
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import StepPlan
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.writes import Writes
 
     calls: list[kc.Call] = []
     caller = ["builder"]
@@ -349,10 +349,10 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
     compressor's Triton kernel itself, interpreted), the readers decode them
     and the dense reference quantises every dim per 32; a prefill and a decode
     of the split geometry then read back exactly, every byte in its pages."""
-    from vllm_mla_fixes.selftest import harness
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.timeline import StepPlan
-    from vllm_mla_fixes.selftest.writes import Writes
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import StepPlan
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.writes import Writes
 
     cpu = kn.Kernels.for_device(kn.detect_device())
     device = kn.Device("cuda", torch.device("cpu"), "pretend sm100", kc.ARCHS["sm100"][0])

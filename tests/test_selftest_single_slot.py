@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry
-from vllm_mla_fixes.selftest import bounds as bd
-from vllm_mla_fixes.selftest import kernels as kn
-from vllm_mla_fixes.selftest import reference as ref
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import bounds as bd
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
 # The injections test the self-test's own comparisons, which read no release's
 # code; the newest covered release runs them (the faultless run on every covered
@@ -44,7 +44,7 @@ NEWEST_DSV41 = fix_releases.newest(dsv41_sm120_geometry.INFO)
 
 
 def _plans(long: bool):
-    from vllm_mla_fixes.selftest.timeline import StepPlan
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import StepPlan
 
     if not long:
         return (StepPlan("C prefill", (("C", None),), ()), StepPlan("C decode", (("C", 1),), ()))
@@ -66,8 +66,8 @@ def _gpu_reader_bounds(kernel: str, kernels: kn.Kernels, heads: int) -> bd.Bound
 
 def _run(monkeypatch, long: bool = False):
     """The split geometry with a GPU's bounds, its writers and readers run on CPU."""
-    from vllm_mla_fixes.selftest import harness
-    from vllm_mla_fixes.selftest.env import simulated_sm120_host
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import simulated_sm120_host
 
     monkeypatch.setattr(bd, "bound_for", _gpu_reader_bounds)
     sources = kn.Kernels.for_device(kn.detect_device()).sources

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry
-from vllm_mla_fixes.selftest import clock
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import clock
 
 DSV41 = fix_releases.covered(dsv41_sm120_geometry.INFO)
 
@@ -66,8 +66,8 @@ def test_time_rounds_times_torch_work_on_the_host_clock_without_a_gpu():
 
 
 def _report_with(timing):
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.report import Report
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.report import Report
 
     device = kn.Device("sm12x", torch.device("cuda", 0), "an SM120 GPU", (12, 0))
     kernels = kn.Kernels(device, {k: "real (named here)" for k in (*kn.READERS, *kn.WRITERS)})
@@ -75,8 +75,8 @@ def _report_with(timing):
 
 
 def test_report_gives_each_kernels_time_for_both_layouts_and_the_ratio_with_its_spread():
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.pairing import DecodeTiming, KernelTiming
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import DecodeTiming, KernelTiming
 
     work = {kn.ATTENTION_DECODE: {"layers": [0, 1, 2], "launches": 3, "rows": 12}}
     timing = DecodeTiming(
@@ -117,7 +117,7 @@ PLANS_NAMES = ("C prefill", "C decode")
 
 
 def _plans():
-    from vllm_mla_fixes.selftest.timeline import StepPlan
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import StepPlan
 
     return (
         StepPlan(PLANS_NAMES[0], (("C", None),), ()),
@@ -127,7 +127,7 @@ def _plans():
 
 @functools.cache
 def _cpu():
-    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
     device = kn.detect_device()
     return device, kn.Kernels.for_device(device)
@@ -135,9 +135,9 @@ def _cpu():
 
 @pytest.mark.vllm_release("0.34.0")  # where upstream's own layout reads back exactly on CPU
 def test_fix_and_upstream_are_timed_in_one_process_on_equal_work():
-    from vllm_mla_fixes.selftest import kernels as kn
-    from vllm_mla_fixes.selftest.pairing import UPSTREAM, time_decode_step
-    from vllm_mla_fixes.selftest.timed_step import TIMED_KERNELS
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import UPSTREAM, time_decode_step
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timed_step import TIMED_KERNELS
 
     device, kernels = _cpu()
     timing = time_decode_step(
@@ -157,7 +157,7 @@ def test_fix_and_upstream_are_timed_in_one_process_on_equal_work():
 
 def _read(kernel: str, launch):
     """What ``launch`` reads: the attention output it fills, or the logits it returns."""
-    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
     if kernel != kn.ATTENTION_DECODE:
         return launch()
@@ -167,16 +167,16 @@ def _read(kernel: str, launch):
 
 
 def _cache(kernel: str, launch) -> torch.Tensor:
-    from vllm_mla_fixes.selftest import kernels as kn
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
     return launch.kwargs["swa_kv_cache"] if kernel == kn.ATTENTION_DECODE else launch.args[1]
 
 
 @pytest.mark.vllm_release(*DSV41)
 def test_the_dense_baseline_reads_what_the_fix_reads_on_packed_pages():
-    from vllm_mla_fixes.selftest.harness import timed_step_launches
-    from vllm_mla_fixes.selftest.pairing import DENSE, dense_launch, time_decode_step
-    from vllm_mla_fixes.selftest.timed_step import TIMED_KERNELS
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.harness import timed_step_launches
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import DENSE, dense_launch, time_decode_step
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timed_step import TIMED_KERNELS
 
     device, kernels = _cpu()
     result, launches = timed_step_launches("split", device, kernels, _plans(), PLANS_NAMES[1])
@@ -195,7 +195,7 @@ def test_the_dense_baseline_reads_what_the_fix_reads_on_packed_pages():
 
 
 def test_a_baseline_that_is_neither_is_refused():
-    from vllm_mla_fixes.selftest.pairing import time_decode_step
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import time_decode_step
 
     device, kernels = _cpu()
     with pytest.raises(ValueError, match="one of upstream, dense"):

@@ -164,7 +164,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if reports is not None:
                 document[module.DOCTOR_JSON_KEY] = reports()
         if vllm_mla_fixes.installed_vllm_version() in DSV41_INFO.covered_releases:
-            from vllm_mla_fixes.reproductions import dsv41_truth_table
+            from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table
 
             with logs_to_stderr():
                 document["dsv41_truth_table"] = dsv41_truth_table.for_status(args.truth_table)
@@ -216,7 +216,7 @@ def _cpu_triton_for_selftest() -> None:
     except ModuleNotFoundError:
         return  # the command itself says what is missing
     if not torch.cuda.is_available():
-        from vllm_mla_fixes.selftest.env import prepare_process_env
+        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import prepare_process_env
 
         prepare_process_env()
 
@@ -234,7 +234,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
-    from vllm_mla_fixes.selftest.verdicts import EXIT_CANNOT_RUN
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.verdicts import EXIT_CANNOT_RUN
 
     if args.report is not None:  # before minutes of testing
         problem = arguments.output_file_problem(args.report)
@@ -255,7 +255,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
             f"cannot run: vLLM is not installed in this environment ({sys.executable})",
             EXIT_CANNOT_RUN,
         )
-    from vllm_mla_fixes.selftest import run_selftest
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import run_selftest
 
     with logs_to_stderr():
         report = run_selftest(

@@ -22,8 +22,8 @@ VERIFIERS = {
     "fa4-compile-strides": ("vllm_mla_fixes.reproductions.fa4_compile_strides",),
     # the failures reproduced and fixed, then the fixed layout read back by the self-test
     "dsv41-sm120-geometry": (
-        "vllm_mla_fixes.reproductions.dsv41_sm120_geometry",
-        "vllm_mla_fixes.selftest",
+        "vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures",
+        "vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest",
     ),
 }
 

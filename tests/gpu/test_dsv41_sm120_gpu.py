@@ -52,7 +52,7 @@ import pytest
 
 from gpu.inprocess.call_probes import LOG_ENV, read_log
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT, UPSTREAM
-from vllm_mla_fixes.selftest.bounds import real_attention_bound
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.bounds import real_attention_bound
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 PROBE_DIR = Path(__file__).with_name("inprocess")
@@ -100,7 +100,7 @@ COMPRESSED_LAYERS = sum(1 for r in _TEXT["compress_ratios"] if r)
 # the records dequantise exactly, but FlashInfer's SM120 kernels round Q's NoPE
 # part and P through e4m3 and P's RoPE part and the output through bf16, so the
 # bound is the self-test's derived one for the model's heads (0.060 for 8; its
-# derivation is in vllm_mla_fixes/selftest/bounds.py).  A wrong page read on
+# derivation is in vllm_mla_fixes/fixes/dsv41_sm120_geometry/selftest/bounds.py).  A wrong page read on
 # the CPU harness: 0.70 where it was never written (zeros; also counted as
 # unwritten), 3e11 where it holds other data (tests/test_gpu_cases_on_cpu.py).
 ATTENTION_TOLERANCE = real_attention_bound(int(_TEXT["num_attention_heads"])).value

@@ -281,7 +281,7 @@ def instrument_dsv41(module) -> None:
 # places.  Decode: DeepGEMM's paged MQA logits, through the block table.
 # Prefill: ``cp_gather_indexer_k_quant_cache`` copies each request's keys out.
 # Both are recomputed here from the same view with the self-test's reference
-# readers (``vllm_mla_fixes.selftest``), which address pages as the kernels do.
+# readers (``vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest``), which address pages as the kernels do.
 
 INDEXER_LOGITS_ENTRY = "fp8_fp4_paged_mqa_logits"
 INDEXER_GATHER_ENTRY = "cp_gather_indexer_k_quant_cache"
@@ -336,7 +336,7 @@ def reference_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_tab
     rows: one context length and one block-table row per query row), on the CPU."""
     import torch
 
-    from vllm_mla_fixes.selftest import reference as ref
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
     ue8m0x4 = ref.index_scales_are_ue8m0x4()
     batch, next_n = int(q_fp8.shape[0]), int(q_fp8.shape[1])
@@ -416,7 +416,7 @@ def instrument_indexer_gather(module) -> None:
     def checked(*args, **kwargs):
         import torch
 
-        from vllm_mla_fixes.selftest.kernels import gather_indexer_k_stand_in
+        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import gather_indexer_k_stand_in
 
         call = _bound_arguments(original, args, kwargs)
         kv_cache = call["kv_cache"]

@@ -91,8 +91,8 @@ def engine_settings(args: Any) -> Any:
     """The parts of the engine config the decision reads, as vLLM config objects."""
     from vllm.config import CacheConfig, ParallelConfig
 
-    from vllm_mla_fixes.reproductions.dsv41_capacity import speculative_config_as_written
-    from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import EngineSettings
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.capacity import speculative_config_as_written
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import EngineSettings
 
     cache_fields = set(CacheConfig.__dataclass_fields__)
     cache_options = {
@@ -130,7 +130,7 @@ def model_text(model_config: dict | None) -> tuple[dict, str]:
     """The model's text config (its ``text_config`` where it has one) and
     where its figures come from: the operator's config.json where it holds
     the DeepSeek-V4.1 topology, else DeepSeek-V4.1-Flash's."""
-    from vllm_mla_fixes.reproductions.dsv41_sm120_geometry import DSV41_FLASH
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import DSV41_FLASH
 
     text = (model_config or {}).get("text_config", model_config or {})
     if isinstance(text, dict) and "compress_ratios" in text:
@@ -144,7 +144,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
     parser or configs refuse it."""
     import vllm
 
-    from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
     from vllm_mla_fixes.serve_line import cuda_device_type_while_parsing, engine_args
 
     with cuda_device_type_while_parsing() as platform:

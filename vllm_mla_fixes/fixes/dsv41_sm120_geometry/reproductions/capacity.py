@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 MAX_MODEL_LENS = (8192, 131072)
 UPSTREAM_BLOCK_SIZES = (128, 64)

@@ -14,7 +14,7 @@ platform answering as that device (:func:`repro.sm120_platform`):
 * the fix's own decision for the line (applied as on that device), and its
   capacity against the best upstream layout that works for the same model.
 
-``python -m vllm_mla_fixes.reproductions.dsv41_truth_table [--json|--markdown]``
+``python -m vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.truth_table [--json|--markdown]``
 prints it; ``status --json`` and ``doctor`` read it; the README's table is its
 markdown, checked by ``tests/test_dsv41_truth_table.py``.
 """
@@ -34,8 +34,8 @@ from typing import Any
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
-from vllm_mla_fixes.reproductions import dsv41_capacity as capacity
-from vllm_mla_fixes.reproductions import dsv41_sm120_geometry as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 BLOCK_SIZES: tuple[int | None, ...] = (64, 128, None)
 SPECULATION: dict[str, dict[str, Any] | None] = {
@@ -339,9 +339,8 @@ def _cache_file() -> Path | None:
         return None
     if installed not in fix.INFO.covered_releases:
         return None
-    package = Path(__file__).resolve().parent.parent
-    sources = sorted((package / "fixes" / "dsv41_sm120_geometry").rglob("*.py"))
-    sources += [package / "reproductions" / name for name in REPRODUCTION_SOURCES]
+    fix_folder = Path(__file__).resolve().parents[1]  # its reproductions and self-test too
+    sources = sorted(fix_folder.rglob("*.py"))
     digest = hashlib.sha256()
     try:
         for path in sources:
@@ -364,9 +363,6 @@ def _cached_cells(cache: Path) -> Any:
         logging.getLogger("vllm.mla_fixes").debug("truth-table cache %s not read: %s", cache, exc)
         return None
     return cells if isinstance(cells, list) else None
-
-
-REPRODUCTION_SOURCES = ("dsv41_truth_table.py", "dsv41_capacity.py", "dsv41_sm120_geometry.py")
 
 
 def for_status(compute: bool) -> dict[str, Any]:
