@@ -20,6 +20,7 @@ import pytest
 from fix_releases import DSV41, FP8, newest
 
 from vllm_mla_fixes import doctor, settings
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import settings as dsv41_settings
 
 pytestmark = pytest.mark.vllm_release(newest(FP8), newest(DSV41))
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,8 +150,8 @@ def test_an_unreadable_config_will_fail_and_json_says_so(tmp_path):
     Path(model, "config.json").chmod(0)
     bad = {
         settings.FIXES.name: "all,bogus",
-        settings.DSV41_GEOMETRY.name: "split",
-        settings.DSV41_DRAFTER_SWA_ROWS.name: "7",
+        dsv41_settings.DSV41_GEOMETRY.name: "split",
+        dsv41_settings.DSV41_DRAFTER_SWA_ROWS.name: "7",
         settings.CACHE_DIR.name: "/etc/passwd/sub",
     }
     proc = _doctor("--json", "--", "vllm", "serve", model, **bad)

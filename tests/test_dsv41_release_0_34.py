@@ -15,8 +15,8 @@ import pytest
 
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.patching import State
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.patching import State
 
 pytestmark = [pytest.mark.vllm_release("0.34.0"), pytest.mark.usefixtures("kernels_as_locked")]
 

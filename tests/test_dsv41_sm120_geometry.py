@@ -22,8 +22,8 @@ import pytest
 from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.patching import State, run_fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.patching import State, run_fix
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 # The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/test_dsv41_release_0_34.py).

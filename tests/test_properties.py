@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from vllm_mla_fixes import cli
 from vllm_mla_fixes import settings as plugin_settings
 from vllm_mla_fixes.fixes import FIX_NAMES
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import settings as dsv41_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "cli_worker.py"
@@ -412,10 +413,10 @@ FIX_SELECTIONS = pool(
 )
 SETTING_VALUES = {
     plugin_settings.FIXES.name: FIX_SELECTIONS,
-    plugin_settings.DSV41_GEOMETRY.name: pool(
+    dsv41_settings.DSV41_GEOMETRY.name: pool(
         "interleaved-split", "per-ratio", "split", "PER-RATIO"
     ),
-    plugin_settings.DSV41_DRAFTER_SWA_ROWS.name: pool("64", "128", " 64 ", "32", "0x40", "1e2"),
+    dsv41_settings.DSV41_DRAFTER_SWA_ROWS.name: pool("64", "128", " 64 ", "32", "0x40", "1e2"),
 }
 CACHE_SEGMENT = st.one_of(
     st.sampled_from(["screens", "..", ".", "~", "x" * 300, " ", "ünï", "\udcff", "new\nline"]),

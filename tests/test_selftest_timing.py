@@ -76,7 +76,10 @@ def _report_with(timing):
 
 def test_report_gives_each_kernels_time_for_both_layouts_and_the_ratio_with_its_spread():
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import DecodeTiming, KernelTiming
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import (
+        DecodeTiming,
+        KernelTiming,
+    )
 
     work = {kn.ATTENTION_DECODE: {"layers": [0, 1, 2], "launches": 3, "rows": 12}}
     timing = DecodeTiming(
@@ -136,7 +139,10 @@ def _cpu():
 @pytest.mark.vllm_release("0.34.0")  # where upstream's own layout reads back exactly on CPU
 def test_fix_and_upstream_are_timed_in_one_process_on_equal_work():
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import UPSTREAM, time_decode_step
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import (
+        UPSTREAM,
+        time_decode_step,
+    )
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timed_step import TIMED_KERNELS
 
     device, kernels = _cpu()
@@ -175,7 +181,11 @@ def _cache(kernel: str, launch) -> torch.Tensor:
 @pytest.mark.vllm_release(*DSV41)
 def test_the_dense_baseline_reads_what_the_fix_reads_on_packed_pages():
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.harness import timed_step_launches
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import DENSE, dense_launch, time_decode_step
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.pairing import (
+        DENSE,
+        dense_launch,
+        time_decode_step,
+    )
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timed_step import TIMED_KERNELS
 
     device, kernels = _cpu()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,6 @@ from typing import Any, NoReturn
 import vllm_mla_fixes
 from vllm_mla_fixes import arguments, atomic, settings
 from vllm_mla_fixes.fixes import ALL_FIXES
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO as DSV41_INFO
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PROG = "vllm-mla-fixes"
@@ -159,15 +159,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             "kernel_disagreements": _kernel_disagreements(),
             "exit_status": exit_status,
         }
-        for module in ALL_FIXES:  # per-engine decisions taken in this process
-            reports = getattr(module, "engine_reports", None)
-            if reports is not None:
-                document[module.DOCTOR_JSON_KEY] = reports()
-        if vllm_mla_fixes.installed_vllm_version() in DSV41_INFO.covered_releases:
-            from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table
-
-            with logs_to_stderr():
-                document["dsv41_truth_table"] = dsv41_truth_table.for_status(args.truth_table)
+        for module in ALL_FIXES:
+            document.update(module.status_json(args))
         print(json.dumps(document, indent=2))
         return exit_status
     print(f"vLLM {vllm_mla_fixes.installed_vllm_version()}, {PROG} {vllm_mla_fixes.__version__}")
@@ -187,38 +180,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _kernel_disagreements() -> list[str]:
-    """Where vLLM's statement about a DeepSeek-V4.1 kernel on SM12x and the
-    kernel's own declaration in the installed build differ, with both sources
-    (empty outside the releases the fix covers)."""
-    if vllm_mla_fixes.installed_vllm_version() not in DSV41_INFO.covered_releases:
-        return []
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
-
-    with logs_to_stderr():
-        return [str(d) for d in envelope.disagreements()]
+    """Where vLLM's statement about a kernel and the kernel's own declaration
+    in the installed build differ, each fix's in turn."""
+    return [line for module in ALL_FIXES for line in module.kernel_disagreements()]
 
 
-# -- verify, doctor, selftest -----------------------------------------------------------
+# -- verify, doctor -----------------------------------------------------------------
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import verify
 
-    _cpu_triton_for_selftest()
+    for module in ALL_FIXES:
+        module.prepare_verify()
     return verify.run()
-
-
-def _cpu_triton_for_selftest() -> None:
-    """Without a GPU, the DeepSeek-V4.1 self-test runs vLLM's Triton kernels in
-    Triton's interpreter, which must be chosen before vLLM is imported."""
-    try:
-        import torch
-    except ModuleNotFoundError:
-        return  # the command itself says what is missing
-    if not torch.cuda.is_available():
-        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import prepare_process_env
-
-        prepare_process_env()
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -231,54 +206,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except doctor.DoctorInputError as exc:
         raise CommandError(str(exc), doctor.EXIT_STATUS[doctor.WILL_FAIL]) from exc
     return doctor.report(env, serve, findings, as_json=args.json)
-
-
-def cmd_selftest(args: argparse.Namespace) -> int:
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.verdicts import EXIT_CANNOT_RUN
-
-    if args.report is not None:  # before minutes of testing
-        problem = arguments.output_file_problem(args.report)
-        if problem is not None:
-            raise CommandError(f"--report {args.report!r}: {problem}", EXIT_USAGE)
-
-    try:
-        import torch  # noqa: F401
-    except ModuleNotFoundError:
-        raise CommandError(
-            "cannot run: PyTorch is not installed in this environment "
-            f"({sys.executable}); run it where vLLM is installed",
-            EXIT_CANNOT_RUN,
-        ) from None
-    _cpu_triton_for_selftest()
-    if vllm_mla_fixes.installed_vllm_version() is None:
-        raise CommandError(
-            f"cannot run: vLLM is not installed in this environment ({sys.executable})",
-            EXIT_CANNOT_RUN,
-        )
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import run_selftest
-
-    with logs_to_stderr():
-        report = run_selftest(
-            tuple(args.geometry or ()) or None,
-            jobs=args.jobs,
-            timing=not args.no_timing,
-            geometry_limit_seconds=args.geometry_timeout,
-        )
-    document = json.dumps(report.as_json(), indent=2)
-    print(
-        document if args.json else report.text(), flush=True
-    )  # first: a failed write loses nothing
-    if args.report is not None:
-        try:
-            atomic.write_atomic(Path(args.report), document + "\n")
-        except OSError as exc:  # the results are printed above; only the file is missing
-            print(
-                f"{PROG} selftest: error: --report {args.report!r} not written "
-                f"({exc.strerror or exc}); the report is printed above",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE  # the path given cannot be written: as when checked first
-    return report.exit_status
 
 
 # -- smoke, build-wheel, review ---------------------------------------------------------
@@ -336,7 +263,7 @@ def _plain(text: str) -> str:
     return text.replace("``", "").replace("`", "")
 
 
-def _exit_codes(*lines: str) -> str:
+def exit_codes(*lines: str) -> str:
     return "exit status:\n" + "\n".join(f"  {line}" for line in lines)
 
 
@@ -361,6 +288,27 @@ def _command(
     return parser
 
 
+@dataclasses.dataclass(frozen=True)
+class Commands:
+    """Where a fix adds to the command line (``Fix.add_commands``): commands
+    of its own, listed after the shared ``status``, ``verify`` and ``doctor``,
+    and options of ``status``."""
+
+    subcommands: argparse._SubParsersAction
+    status: argparse.ArgumentParser
+
+    def add(
+        self,
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        summary: str,
+        description: str,
+        epilog: str,
+    ) -> argparse.ArgumentParser:
+        """A command made as every command is (:func:`_command`)."""
+        return _command(self.subcommands, name, func, summary, description, epilog)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -373,17 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The order of these calls is the order of the commands in --help.
-    _add_status_parser(sub)
+    status = _add_status_parser(sub)
     _add_verify_parser(sub)
     _add_doctor_parser(sub)
-    _add_selftest_parser(sub)
+    commands = Commands(sub, status)
+    for module in ALL_FIXES:
+        module.add_commands(commands)
     _add_smoke_parser(sub)
     _add_build_wheel_parser(sub)
     _add_review_parser(sub)
     return parser
 
 
-def _add_status_parser(sub: argparse._SubParsersAction) -> None:
+def _add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     status = _command(
         sub,
         "status",
@@ -393,7 +343,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> None:
         "applies), then prints each fix's state (applied, not-needed, disabled, skipped)\n"
         f"and reason, and every {settings.PREFIX}* variable that is set.\n\n"
         + settings.help_text(),
-        _exit_codes(
+        exit_codes(
             "0  the report is printed",
             "1  vLLM is not installed in this environment",
             f"2  bad arguments, or a {settings.PREFIX}* variable has a value that is not",
@@ -403,12 +353,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> None:
     status.add_argument(
         "--json", action="store_true", help="print one JSON document on stdout (logs go to stderr)"
     )
-    status.add_argument(
-        "--truth-table",
-        action="store_true",
-        help="with --json: derive the DeepSeek-V4.1 truth table of this install if it is not\n"
-        "kept yet (a few minutes on CPU, once per installed vLLM), and include it",
-    )
+    return status
 
 
 def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
@@ -419,7 +364,7 @@ def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
         "reproduce each failure of the installed vLLM on CPU, then show the fix removes it",
         "For each fix the installed release needs, runs vLLM's own code with the package's\n"
         "tiny model configs: first unfixed (the failure must appear), then fixed.",
-        _exit_codes(
+        exit_codes(
             "0  every failure this release has was reproduced and fixed",
             "1  a reproduction or a fix did not behave as expected, or vLLM is not installed",
             USAGE_EXIT,
@@ -447,59 +392,6 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_selftest_parser(sub: argparse._SubParsersAction) -> None:
-    selftest = _command(
-        sub,
-        "selftest",
-        cmd_selftest,
-        "DeepSeek-V4.1: prove the fixed KV page layout on this device",
-        "Runs the writers and readers vLLM uses on this device over the fixed KV layout\n"
-        f"(vLLM {DSV41_INFO.covered_releases[0]} to {DSV41_INFO.covered_releases[-1]}) and "
-        "compares every read with a dense reference. Without\n"
-        "a GPU, vLLM's Triton kernels run in Triton's interpreter.",
-        _exit_codes(
-            "0  pass",
-            "1  a mismatch, or a missed control",
-            "2  bad arguments, or it cannot run here (the reason is printed)",
-        ),
-    )
-    selftest.add_argument(
-        "--json", action="store_true", help="print only the JSON report on stdout"
-    )
-    selftest.add_argument(
-        "--geometry",
-        action="append",
-        choices=("split", "fallback", "upstream", "control"),
-        help="run only this geometry (repeatable; default: all four)",
-    )
-    selftest.add_argument(
-        "--jobs",
-        type=arguments.positive_int,
-        default=None,
-        help="geometries run in parallel processes, 1 or more (CPU only, default: cores; "
-        "on a GPU they run one after another, each in a process of its own)",
-    )
-    selftest.add_argument(
-        "--no-timing",
-        action="store_true",
-        help="skip the timings (the per-step slot translation; on a GPU, the decode-step kernels)",
-    )
-    selftest.add_argument(
-        "--geometry-timeout",
-        type=arguments.positive_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="stop a geometry's process still running after SECONDS and report it hung "
-        "(where geometries run in processes of their own: on a GPU, or with --jobs above 1; "
-        "default 1800, room for a first run's JIT build of FlashInfer's SM120 kernels)",
-    )
-    selftest.add_argument(
-        "--report",
-        metavar="FILE",
-        help="also write the JSON report to FILE (whole, or not at all)",
-    )
-
-
 def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
     smoke_cmd = _command(
         sub,
@@ -509,7 +401,7 @@ def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
         "/health must answer 200, the model must be listed by /v1/models, and a chat and a\n"
         "completion of each prompt, streamed and not, must come back as non-empty text\n"
         "without U+FFFD (what a misread KV cache decodes to).",
-        _exit_codes(
+        exit_codes(
             "0  every check passed",
             "1  a check failed (the report says which request, and why)",
             USAGE_EXIT,
@@ -559,7 +451,7 @@ def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
         "The wheel is written under a temporary name and checked (zip, RECORD, version)\n"
         "before it takes its final name: a failed or interrupted build (Ctrl-C, SIGTERM)\n"
         "leaves the output folder as it was.",
-        _exit_codes(
+        exit_codes(
             "0  the wheel is written (its path and sha256 are printed)",
             "1  the build failed: download, sha256, or wheel contents (one line says why)",
             "2  bad arguments (a version, URL, build number or path; checked before any download)",
@@ -600,7 +492,7 @@ def _add_review_parser(sub: argparse._SubParsersAction) -> None:
         "For each fix: the release gate's decision, every reviewed definition's\n"
         "fingerprint in the release (match, changed with a diff, missing), and the fix's\n"
         "source screen on the release's code. The wheel is not installed.",
-        _exit_codes(
+        exit_codes(
             "0  nothing to review",
             "1  something changed, or the release needs a review",
             "2  bad arguments, or the review cannot run (no such release, network)",

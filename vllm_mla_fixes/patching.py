@@ -1,6 +1,7 @@
 """The one mechanism every fix uses: gate, replace, rebind, revert, record.
 
-A fix module (see ``vllm_mla_fixes/fixes/``) provides:
+A fix (:class:`vllm_mla_fixes.fix.Fix`, one module or package in
+``vllm_mla_fixes/fixes/``) provides, for this mechanism:
 
 * ``INFO``: a :class:`FixInfo` record -- the single source of the fix's facts,
   read by ``status``, ``doctor`` and the README table;
@@ -32,10 +33,13 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.fix import Fix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,7 @@ class FixInfo:
     hardware: str
     error: str  # the upstream error text, as operators see it
     not_covered: tuple[NotCovered, ...] = ()
+    has_selftest: bool = False  # `vllm-mla-fixes selftest` proves it on a device (nox sessions)
 
     def admits(self, version: str) -> bool:
         return release_admitted(version, self.affected)
@@ -421,7 +426,7 @@ class AppliedFix:
     patch: Patch | None = None
 
 
-def run_fix(module: ModuleType, vllm_version: str) -> AppliedFix:
+def run_fix(module: Fix | ModuleType, vllm_version: str) -> AppliedFix:
     """Gate, probe and apply one fix module; never raises."""
     info: FixInfo = module.INFO
     decided = release_decision(info, vllm_version)

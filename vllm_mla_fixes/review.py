@@ -26,14 +26,14 @@ import difflib
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from types import ModuleType
 
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from vllm_mla_fixes import patching, wheel
+from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import CannotProbe, State, TargetMismatch
 
@@ -154,7 +154,7 @@ class FixReview:
         return found
 
 
-def gate(module: ModuleType, version: str, against: str | None = None) -> tuple[str, bool]:
+def gate(module: Fix, version: str, against: str | None = None) -> tuple[str, bool]:
     """The release gate's decision for ``version`` and whether the release is in
     the fix's scope.  ``against``: as of that release, nothing newer was reviewed."""
     info = module.INFO
@@ -166,7 +166,7 @@ def gate(module: ModuleType, version: str, against: str | None = None) -> tuple[
     return f"{decided.state.value}: {decided.reason}", not_reviewed
 
 
-def _reference(known: dict[str, str], against: str | None) -> tuple[dict[str, str], str | None]:
+def _reference(known: Mapping[str, str], against: str | None) -> tuple[dict[str, str], str | None]:
     """The reviewed fingerprints to compare with, and the release a diff is taken against."""
     if against is not None:
         return {fp: rel for fp, rel in known.items() if against in _releases(rel)}, against
@@ -187,7 +187,7 @@ def _fingerprint_or_none(module: str, qualname: str) -> str | None:
         return None
 
 
-def _screen(module: ModuleType) -> tuple[str, bool]:
+def _screen(module: Fix) -> tuple[str, bool]:
     try:
         reason = module.source_screen()
     except TargetMismatch as exc:
@@ -201,7 +201,7 @@ def _screen(module: ModuleType) -> tuple[str, bool]:
     return f"says not needed: {reason}", False
 
 
-def review_fix(module: ModuleType, version: str, against: str | None) -> FixReview:
+def review_fix(module: Fix, version: str, against: str | None) -> FixReview:
     """Review one fix against the sources :func:`patching.sources_from` points at."""
     decision, in_scope = gate(module, version, against)
     checks = []

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 PREFIX = "VLLM_MLA_FIXES"
-GEOMETRIES = ("interleaved-split", "per-ratio")  # the DeepSeek-V4.1 fix's two page geometries
-DRAFTER_ROWS_ALLOWED = (64, 128)  # the kernel page rows, and two of them per 128-token page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +43,6 @@ class Setting:
 
 
 _declared_fix_names: tuple[str, ...] = ()
-
-
-def declare_fixes(names: tuple[str, ...]) -> None:
-    """The fix names ``VLLM_MLA_FIXES`` may select.  ``vllm_mla_fixes.fixes``
-    declares them when it is imported, which importing this package always
-    does first; this module imports no fix (the fixes read settings)."""
-    global _declared_fix_names
-    _declared_fix_names = tuple(names)
 
 
 def _fix_names() -> tuple[str, ...]:
@@ -81,19 +71,6 @@ def _fix_selection(raw: str) -> frozenset[str]:
     if problems:
         raise ValueError("; ".join(problems))
     return frozenset(names)
-
-
-def _geometry(raw: str) -> str:
-    text = raw.lower()
-    if text not in GEOMETRIES:
-        raise ValueError("not a geometry name")
-    return text
-
-
-def _drafter_rows(raw: str) -> int:
-    if raw not in {str(rows) for rows in DRAFTER_ROWS_ALLOWED}:
-        raise ValueError("not a page size a drafter's pages can take")
-    return int(raw)
 
 
 def _cache_folder(raw: str) -> Path:
@@ -166,22 +143,6 @@ FIXES = Setting(
     "vLLM needs it",
     parse=_fix_selection,
 )
-DSV41_GEOMETRY = Setting(
-    name=f"{PREFIX}_DSV41_GEOMETRY",
-    allowed_values=" or ".join(GEOMETRIES),
-    default="chosen per engine by the fix (interleaved-split where it fits, else per-ratio)",
-    meaning="force the DeepSeek-V4.1 fix's KV page geometry; set it alike on every node",
-    parse=_geometry,
-)
-DSV41_DRAFTER_SWA_ROWS = Setting(
-    name=f"{PREFIX}_DSV41_DRAFTER_SWA_ROWS",
-    allowed_values="64 or 128",
-    default="planned per engine: 128 or 64, whichever holds more KV tokens per GiB (128 only "
-    "where the installed FlashInfer takes run-time page sizes)",
-    meaning="rows of a DeepSeek-V4.1 drafter's sliding-window pages under the split; 64 keeps "
-    "them at the kernel page size, 128 skips the planning",
-    parse=_drafter_rows,
-)
 CACHE_DIR = Setting(
     name=f"{PREFIX}_CACHE_DIR",
     allowed_values="an absolute path of a folder this user may write in (created when missing)",
@@ -189,8 +150,21 @@ CACHE_DIR = Setting(
     meaning="where the plugin keeps its source-screen verdicts between processes",
     parse=_cache_folder,
 )
-SETTINGS = (FIXES, DSV41_GEOMETRY, DSV41_DRAFTER_SWA_ROWS, CACHE_DIR)
+SETTINGS: tuple[Setting, ...] = (FIXES, CACHE_DIR)
+"""Every setting, in the order listings show them: the fix selection, each
+fix's own settings (from :func:`declare_fixes`), then the cache folder."""
 _BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def declare_fixes(names: tuple[str, ...], fix_settings: tuple[Setting, ...]) -> None:
+    """The fix names ``VLLM_MLA_FIXES`` may select, and the settings the fixes
+    read besides the shared ones.  ``vllm_mla_fixes.fixes`` declares them when
+    it is imported, which importing this package always does first; this
+    module imports no fix (the fixes read settings)."""
+    global _declared_fix_names, SETTINGS, _BY_NAME
+    _declared_fix_names = tuple(names)
+    SETTINGS = (FIXES, *fix_settings, CACHE_DIR)
+    _BY_NAME = {s.name: s for s in SETTINGS}
 
 
 @dataclasses.dataclass(frozen=True)

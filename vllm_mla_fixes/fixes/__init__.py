@@ -1,18 +1,20 @@
 """The fixes, in the order :func:`vllm_mla_fixes.register` applies them.
 
-Each module holds one fix: a DEP-3-style header, ``INFO`` (a
-:class:`~vllm_mla_fixes.patching.FixInfo`), ``probe()``, ``apply(patch)`` and
-``diagnose(env, serve)`` (``doctor``'s findings; types in :mod:`vllm_mla_fixes.report`).
-Modules import vLLM only inside ``probe``/``apply``, so importing this package
-stays cheap.
+Each module or package here holds one fix, with a DEP-3-style header, and
+satisfies :class:`vllm_mla_fixes.fix.Fix` (``INFO``, ``SETTINGS``, ``probe()``,
+``apply(patch)``, ``diagnose(env, serve)``, ``verify(report)`` and its part of
+the command line).  ``ALL_FIXES`` is the one place that names them: nothing
+else outside a fix's own folder does.  Modules import vLLM only inside what
+they run, so importing this package stays cheap.
 """
 
 from packaging.version import Version
 
 from vllm_mla_fixes import settings
+from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry, fa4_compile_strides, fp8_ds_mla_reshape
 
-ALL_FIXES = (fp8_ds_mla_reshape, fa4_compile_strides, dsv41_sm120_geometry)
+ALL_FIXES: tuple[Fix, ...] = (fp8_ds_mla_reshape, fa4_compile_strides, dsv41_sm120_geometry)
 FIX_NAMES = tuple(m.INFO.name for m in ALL_FIXES)
 FIXES_BY_NAME = {m.INFO.name: m for m in ALL_FIXES}
 COVERED_RELEASES = tuple(
@@ -20,4 +22,11 @@ COVERED_RELEASES = tuple(
 )
 """Every vLLM release some fix covers, oldest first: the releases a release of
 this package is checked against and ships patched wheels for."""
-settings.declare_fixes(FIX_NAMES)
+SELFTEST_RELEASES = tuple(
+    sorted(
+        {r for m in ALL_FIXES if m.INFO.has_selftest for r in m.INFO.covered_releases}, key=Version
+    )
+)
+"""The releases ``vllm-mla-fixes selftest`` must pass on a GPU runner: those
+of the fixes that have a self-test (none: the command does not exist)."""
+settings.declare_fixes(FIX_NAMES, tuple(s for m in ALL_FIXES for s in m.SETTINGS))

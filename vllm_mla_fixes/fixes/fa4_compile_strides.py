@@ -72,6 +72,7 @@ import logging
 import os
 import sys
 import typing
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -81,7 +82,11 @@ from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 # typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
 # on the module's upper-case names (screen_cache._constants).
 if typing.TYPE_CHECKING:
+    import argparse
+
+    from vllm_mla_fixes.cli import Commands
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
+    from vllm_mla_fixes.settings import Setting
 
 INFO = FixInfo(
     name="fa4-compile-strides",
@@ -96,6 +101,7 @@ INFO = FixInfo(
     error="ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(mQ: "
     "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",
 )
+SETTINGS: tuple[Setting, ...] = ()  # it reads no setting of its own
 
 FA_PACKAGE = "vllm.vllm_flash_attn"
 UTILS_MODULE = "vllm.vllm_flash_attn.cute.cute_dsl_utils"
@@ -554,3 +560,28 @@ def _diagnose_fix_state(env: Environment, workaround: bool) -> Finding:
             f"or upgrade to vLLM {INFO.fixed_in}"
         )
     return verdict
+
+
+# -- the rest of the Fix protocol (vllm_mla_fixes.fix) ------------------------------------
+
+
+def prepare_verify() -> None:
+    """Nothing to set up: its reproduction runs in the process as it is."""
+
+
+def verify(report: Callable[[str], None]) -> bool:
+    from vllm_mla_fixes.reproductions import fa4_compile_strides
+
+    return fa4_compile_strides.verify(report)
+
+
+def add_commands(commands: Commands) -> None:
+    """No commands of its own."""
+
+
+def kernel_disagreements() -> list[str]:
+    return []  # it makes no statement about a kernel's envelope
+
+
+def status_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {}

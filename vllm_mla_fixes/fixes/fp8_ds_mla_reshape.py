@@ -58,7 +58,11 @@ from vllm_mla_fixes.patching import (
 # typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
 # on the module's upper-case names (screen_cache._constants).
 if typing.TYPE_CHECKING:
+    import argparse
+
+    from vllm_mla_fixes.cli import Commands
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
+    from vllm_mla_fixes.settings import Setting
 
 _R = TypeVar("_R")
 
@@ -73,6 +77,7 @@ INFO = FixInfo(
     hardware="SM90, SM100 (FLASHMLA_SPARSE)",
     error="RuntimeError: shape '[32, 64, 576]' is invalid for input of size 1343488",
 )
+SETTINGS: tuple[Setting, ...] = ()  # it reads no setting of its own
 
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_MLA_BYTES_PER_TOKEN = 656
@@ -370,3 +375,28 @@ def _likely_backend(sm: int | None) -> str:
             "FLASHMLA_SPARSE (vLLM's sparse-MLA backend on SM90 and SM100; no GPU is visible here)"
         )
     return "FLASHMLA_SPARSE (likely on this GPU)"
+
+
+# -- the rest of the Fix protocol (vllm_mla_fixes.fix) ------------------------------------
+
+
+def prepare_verify() -> None:
+    """Nothing to set up: its reproduction runs in the process as it is."""
+
+
+def verify(report: Callable[[str], None]) -> bool:
+    from vllm_mla_fixes.reproductions import fp8_ds_mla
+
+    return fp8_ds_mla.verify(report)
+
+
+def add_commands(commands: Commands) -> None:
+    """No commands of its own."""
+
+
+def kernel_disagreements() -> list[str]:
+    return []  # it makes no statement about a kernel's envelope
+
+
+def status_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {}

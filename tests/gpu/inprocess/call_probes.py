@@ -416,7 +416,9 @@ def instrument_indexer_gather(module) -> None:
     def checked(*args, **kwargs):
         import torch
 
-        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import gather_indexer_k_stand_in
+        from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.kernels import (
+            gather_indexer_k_stand_in,
+        )
 
         call = _bound_arguments(original, args, kwargs)
         kv_cache = call["kv_cache"]

@@ -61,6 +61,8 @@ Remove when
     layout produces and vLLM's backends say so.
 
 Layout (imports point down this list)
+    cli          ``selftest``, ``status --truth-table``, the set-up ``verify`` needs
+    reproductions, selftest   the CPU reproductions (``verify``) and the self-test
     apply        installs the wrappers through ``Patch``
     checks       start-up page check; the engine core's agreement check
     views, slots interleaved views, zeroing, copies; ratio-1 writer slots
@@ -71,7 +73,7 @@ Layout (imports point down this list)
     planning, model_specs        vLLM's planner on the full model's specs
     engine       :class:`EngineConfig`, read from a ``VllmConfig``
     upstream, envelope, gate     upstream's layout, kernel envelopes, review
-    info, vocabulary             ``INFO``, constants, enums
+    info, settings, vocabulary   ``INFO``, constants, the fix's settings, enums
 """
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply import apply, for_capability
@@ -81,6 +83,12 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
     check_page_geometry,
     check_workers_agree,
     specs_geometry,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.cli import (
+    add_commands,
+    kernel_disagreements,
+    prepare_verify,
+    status_json,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     Decision,
@@ -129,6 +137,8 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     WORKER_UTILS_MODULE,
     PageGeometryError,
 )
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import verify
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.settings import SETTINGS
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import (
     engine_report,
@@ -166,10 +176,12 @@ __all__ = [
     "SPLIT_ERROR_0_34",
     "SPLIT_MANAGER_BLOCK",
     "SPLIT_TARGETS",
+    "SETTINGS",
     "STATE",
     "UPSTREAM",
     "UPSTREAM_SWA_BLOCK",
     "WORKER_UTILS_MODULE",
+    "add_commands",
     "apply",
     "bound_pages",
     "check_no_split_drafter",
@@ -183,11 +195,15 @@ __all__ = [
     "engine_reports",
     "flashinfer_takes_runtime_swa_pages",
     "for_capability",
+    "kernel_disagreements",
     "kernel_slots",
+    "prepare_verify",
     "probe",
     "source_screen",
     "specs_geometry",
     "split_unreviewed",
     "status_detail",
     "status_in_process",
+    "status_json",
+    "verify",
 ]

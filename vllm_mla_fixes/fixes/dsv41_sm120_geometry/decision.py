@@ -41,6 +41,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import (
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import split_unreviewed
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
+    DRAFTER_SWA_ENV,
     DRAFTER_SWA_ROWS,
     FP8_INDEXER_ROW,
     GAIN_TO_APPLY,
@@ -419,11 +420,11 @@ def _drafter_rows(
     """Rows of a drafter's sliding-window pages (of every layer numbered past
     the backbone) under the fix, and why."""
     if engine.forced_drafter_rows == PAGE_ROWS:
-        return PAGE_ROWS, f"{_drafter_env()}={PAGE_ROWS}"
+        return PAGE_ROWS, f"{DRAFTER_SWA_ENV}={PAGE_ROWS}"
     if not flashinfer_takes_runtime_swa_pages():
         return PAGE_ROWS, "the installed FlashInfer decodes 64-row primary pages only"
     if engine.forced_drafter_rows == DRAFTER_SWA_ROWS:
-        return DRAFTER_SWA_ROWS, f"{_drafter_env()}={DRAFTER_SWA_ROWS}"
+        return DRAFTER_SWA_ROWS, f"{DRAFTER_SWA_ENV}={DRAFTER_SWA_ROWS}"
     if engine.model is None or not engine.model.drafter_layers:
         return PAGE_ROWS, "no drafter layers"
     if engine.max_model_len is None:
@@ -442,12 +443,6 @@ def _drafter_rows(
         f"{DRAFTER_SWA_ROWS}-row pages hold {tokens[DRAFTER_SWA_ROWS]:,} KV tokens per GiB, "
         f"{PAGE_ROWS}-row {tokens[PAGE_ROWS]:,}"
     )
-
-
-def _drafter_env() -> str:
-    from vllm_mla_fixes import settings
-
-    return settings.DSV41_DRAFTER_SWA_ROWS.name
 
 
 # ----------------------------------------------------------------- capacity

@@ -17,6 +17,10 @@ import os
 from typing import Any
 
 from vllm_mla_fixes import settings
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.settings import (
+    DSV41_DRAFTER_SWA_ROWS,
+    DSV41_GEOMETRY,
+)
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import Geometry
 
 DSPARK = "dspark"
@@ -264,7 +268,7 @@ def engine_config(vllm_config: Any) -> EngineConfig:
     block_size = getattr(cache, "block_size", None)
     given = getattr(cache, "user_specified_block_size", True)
     max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
-    forced = settings.value(settings.DSV41_GEOMETRY)
+    forced = settings.value(DSV41_GEOMETRY)
     return EngineConfig(
         model=model,
         model_problem=problem,
@@ -283,5 +287,5 @@ def engine_config(vllm_config: Any) -> EngineConfig:
         capability=capability,
         mxfp8_record=mxfp8,
         forced_geometry=None if forced is None else Geometry(forced),
-        forced_drafter_rows=settings.value(settings.DSV41_DRAFTER_SWA_ROWS),
+        forced_drafter_rows=settings.value(DSV41_DRAFTER_SWA_ROWS),
     )

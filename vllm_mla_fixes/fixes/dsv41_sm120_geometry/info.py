@@ -5,7 +5,11 @@ how, when to remove) is the package docstring."""
 
 from __future__ import annotations
 
-from vllm_mla_fixes import patching, settings
+from vllm_mla_fixes import patching
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.settings import (
+    DSV41_DRAFTER_SWA_ROWS,
+    DSV41_GEOMETRY,
+)
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import Geometry
 from vllm_mla_fixes.patching import FixInfo
 
@@ -37,6 +41,7 @@ INFO = FixInfo(
             "0.30/0.31 choose kernel block sizes through a different API, which this fix does not wrap",
         ),
     ),
+    has_selftest=True,
 )
 
 
@@ -61,10 +66,11 @@ eighth.  At 128 tokens they share one group of half the cost, and the split
 holds more tokens than upstream with DSpark too."""
 
 
-DRAFTER_SWA_ENV = settings.DSV41_DRAFTER_SWA_ROWS.name
+DRAFTER_SWA_ENV = DSV41_DRAFTER_SWA_ROWS.name
 """Set to 64 to keep drafter sliding-window pages at 64 rows (should a
 FlashInfer build refuse 128-row pages that its envelope lists); read through
-:mod:`vllm_mla_fixes.settings`, like every setting."""
+:mod:`vllm_mla_fixes.settings`, like every setting (declared in
+:mod:`.settings`)."""
 
 
 UPSTREAM_SWA_BLOCK = 32
@@ -83,13 +89,12 @@ FP8_INDEXER_ROW = 132  # 128 fp8 + one fp32 scale
 
 
 SPLIT, PER_RATIO, UPSTREAM = Geometry.SPLIT, Geometry.PER_RATIO, Geometry.UPSTREAM
-assert (SPLIT.value, PER_RATIO.value) == settings.GEOMETRIES  # the names the setting takes
 GAIN_TO_APPLY = 1.02
 """Where upstream's layout works, a layout nobody has run on hardware must hold
 at least this much more KV to be worth it (issue 25's 2% rule)."""
 
 
-GEOMETRY_ENV = settings.DSV41_GEOMETRY.name
+GEOMETRY_ENV = DSV41_GEOMETRY.name
 
 
 ATTENTION_MODULE = "vllm.models.deepseek_v41.attention"

@@ -91,7 +91,9 @@ def engine_settings(args: Any) -> Any:
     """The parts of the engine config the decision reads, as vLLM config objects."""
     from vllm.config import CacheConfig, ParallelConfig
 
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.capacity import speculative_config_as_written
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.capacity import (
+        speculative_config_as_written,
+    )
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import EngineSettings
 
     cache_fields = set(CacheConfig.__dataclass_fields__)

@@ -36,9 +36,7 @@ import torch
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 
-TINY_DSV41 = (
-    Path(__file__).resolve().parents[3] / "models" / "tiny_deepseek_v41" / "config.json"
-)
+TINY_DSV41 = Path(__file__).resolve().parents[3] / "models" / "tiny_deepseek_v41" / "config.json"
 
 # DeepSeek-V4.1-Flash's sparse-attention topology, from third-party copies of
 # its config.json (the dossier's layout): 40 layers, ratios [0,0]+[2]*18+[1]*20,

@@ -112,10 +112,11 @@ def drafter_pages_at_128() -> Iterator[None]:
     size every other cache it checks already has.  Where the operator set the
     variable, their value stands."""
     from vllm_mla_fixes import settings
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.settings import DSV41_DRAFTER_SWA_ROWS
 
-    name = settings.DSV41_DRAFTER_SWA_ROWS.name
+    name = DSV41_DRAFTER_SWA_ROWS.name
     saved = os.environ.get(name)
-    if settings.value(settings.DSV41_DRAFTER_SWA_ROWS) is not None:
+    if settings.value(DSV41_DRAFTER_SWA_ROWS) is not None:
         yield  # the operator chose the rows: the self-test checks what they serve
         return
     os.environ[name] = "128"
