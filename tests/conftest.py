@@ -12,21 +12,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
+from vllm_mla_fixes.fixes import ALL_FIXES
 
-def _no_gpu() -> bool:
-    try:
-        import torch
-    except ModuleNotFoundError:
-        return True
-    return not torch.cuda.is_available()
-
-
-if _no_gpu():
-    # The DeepSeek-V4.1 self-test runs vLLM's Triton kernels on CPU: Triton's
-    # interpreter must be chosen before any test imports vLLM.
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import prepare_process_env
-
-    prepare_process_env()
+# Tests run the fixes' verifiers in process (a self-test may run vLLM's Triton
+# kernels on CPU, in Triton's interpreter): each fix sets up the process as
+# `vllm-mla-fixes verify` does, before any test imports vLLM.
+for _fix in ALL_FIXES:
+    _fix.prepare_verify()
 
 
 def pytest_addoption(parser):
@@ -63,34 +55,6 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-
-
-@pytest.fixture
-def kernels_as_locked(request):
-    """For a test whose per-release expectations embed what the release's
-    kernels accept: the installed FlashInfer must be the one the release's
-    lock file pins, and DeepGEMM the copy vendored in vLLM.  Another build
-    under the same vLLM fails here, instead of being taken for the locked one
-    (``test_dsv41_envelope.py`` keys its expectations by the build itself)."""
-    import importlib.util
-    from pathlib import Path
-
-    release = request.config.vllm_release
-    lock = Path(__file__).resolve().parent.parent / "envs" / f"vllm-{release}.txt"
-    pinned = [
-        line.split("==", 1)[1]
-        for line in lock.read_text().splitlines()
-        if line.startswith("flashinfer-python==")
-    ]
-    installed = version("flashinfer-python")
-    assert pinned == [installed], (
-        f"this test's expectations for vLLM {release} hold for FlashInfer {pinned} "
-        f"({lock.name}); this environment has {installed}"
-    )
-    assert importlib.util.find_spec("deep_gemm") is None, (
-        f"this test's expectations for vLLM {release} hold for the DeepGEMM vendored in "
-        "vLLM; this environment has a deep_gemm package of its own"
-    )
 
 
 @pytest.fixture

@@ -13,13 +13,15 @@ marked with ``covered``, and moves the tests marked with ``newest`` to it.
 from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from vllm_mla_fixes.fixes import dsv41_sm120_geometry, fa4_compile_strides, fp8_ds_mla_reshape
+from vllm_mla_fixes.fixes import COVERED_RELEASES, FIXES_BY_NAME
 from vllm_mla_fixes.patching import FixInfo
 
-FP8 = fp8_ds_mla_reshape.INFO
-FA4 = fa4_compile_strides.INFO
-DSV41 = dsv41_sm120_geometry.INFO
+FP8 = FIXES_BY_NAME["fp8-ds-mla-reshape"].INFO
+FA4 = FIXES_BY_NAME["fa4-compile-strides"].INFO
+if "dsv41-sm120-geometry" in FIXES_BY_NAME:  # tests beyond its own folder name it too
+    DSV41 = FIXES_BY_NAME["dsv41-sm120-geometry"].INFO
 
 
 def covered(info: FixInfo, within: str = "") -> tuple[str, ...]:
@@ -36,3 +38,8 @@ def oldest(info: FixInfo) -> str:
 def newest(info: FixInfo) -> str:
     """The newest release ``info`` covers."""
     return info.covered_releases[-1]
+
+
+def first_covered_after(release: str) -> tuple[str, ...]:
+    """The oldest release some fix covers that is newer than ``release``, if any."""
+    return tuple(r for r in COVERED_RELEASES if Version(r) > Version(release))[:1]

@@ -200,9 +200,8 @@ class NoVllm(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is not installed here")
 sys.meta_path.insert(0, NoVllm())
 import json
-from vllm_mla_fixes.fixes import COVERED_RELEASES
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import INFO
-print(json.dumps([COVERED_RELEASES, INFO.covered_releases]))
+from vllm_mla_fixes.fixes import COVERED_RELEASES, SELFTEST_RELEASES
+print(json.dumps([COVERED_RELEASES, SELFTEST_RELEASES]))
 """
 
 
@@ -216,5 +215,5 @@ def test_the_release_lists_are_read_without_vllm():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    every_fix, dsv41 = json.loads(proc.stdout)
-    assert dsv41 and set(dsv41) <= set(every_fix)
+    every_fix, with_selftest = json.loads(proc.stdout)
+    assert every_fix and set(with_selftest) <= set(every_fix)

@@ -25,7 +25,7 @@ the probe's own decode against the dense truth
 unwritten reads; a split with untranslated writer slots 0.70 with 128 of 821
 reads unwritten, and 3e11 once its wrong pages hold other data.  Page
 agreement for the fix's geometry is proven in full on CPU by
-``vllm-mla-fixes selftest`` (``tests/test_selftest.py``).
+``vllm-mla-fixes selftest`` (``tests/dsv41_sm120_geometry/test_selftest.py``).
 
 Without the fix a run passes only on the bug's own signal (``missing_bug_signal``):
 upstream's start-up error where it refuses the line, else -- healthy first --
@@ -411,7 +411,7 @@ def upstream_works(block_size: int) -> bool:
     """Whether upstream's own layout for ``--block-size`` starts and every page
     of it is inside the installed kernels' own envelopes, judged on this
     runner's GPU by the fix's own rule (the CPU truth table checks that rule
-    against vLLM's start-up: tests/test_dsv41_truth_table.py)."""
+    against vLLM's start-up: tests/dsv41_sm120_geometry/test_dsv41_truth_table.py)."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 
     return bool(upstream.upstream_layout(block_size).works)

@@ -215,7 +215,7 @@ SPLIT_ERROR_0_34 = (
 )
 
 
-# Commands doctor suggests; tests run both (tests/test_selftest.py, tests/test_smoke.py).
+# Commands doctor suggests; tests run both (tests/dsv41_sm120_geometry/test_selftest.py, tests/test_smoke.py).
 SELFTEST_COMMAND = "vllm-mla-fixes selftest"
 
 

@@ -8,7 +8,7 @@ layout starts is vLLM's own kernel-block rule: each DeepSeek-V4.1 backend must
 declare B itself (0.32/0.33 declare [128], 0.34.0 declares [64] on SM12x and
 refuses to split a packed 128-token block).  Whether it then serves is the
 kernels' own declaration (:mod:`.envelope`): every page a kernel reads must be
-inside its envelope.  ``tests/test_dsv41_truth_table.py`` checks this
+inside its envelope.  ``tests/dsv41_sm120_geometry/test_dsv41_truth_table.py`` checks this
 prediction against vLLM's real start-up and planner for every covered cell.
 """
 

@@ -16,7 +16,7 @@ platform answering as that device (:func:`repro.sm120_platform`):
 
 ``python -m vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.truth_table [--json|--markdown]``
 prints it; ``status --json`` and ``doctor`` read it; the README's table is its
-markdown, checked by ``tests/test_dsv41_truth_table.py``.
+markdown, checked by ``tests/dsv41_sm120_geometry/test_dsv41_truth_table.py``.
 """
 
 from __future__ import annotations

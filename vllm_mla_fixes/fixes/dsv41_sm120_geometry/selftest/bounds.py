@@ -102,7 +102,7 @@ EXACT = Bound(0.0, MAX_ABS, "exact: same bytes, same arithmetic (or a byte copy)
 # bound is rms * (1 + 1/sqrt(2H)); with the binade-bottom mean square above
 # (0.54 of it on average) that is about 2.8 spreads above the expected error.
 # That rounding applied to the self-test's inputs (8 heads, 1 to 200
-# candidates; tests/test_selftest_bounds.py) gives a mean of 0.023 and a worst
+# candidates; tests/dsv41_sm120_geometry/test_selftest_bounds.py) gives a mean of 0.023 and a worst
 # row of 0.039 over 200 rows (0.041 over 1,200 rows with 1 to 200 candidates).
 def real_attention_bound(heads: int) -> Bound:
     nope, rope, head = ref.NOPE, ref.ROPE, ref.HEAD

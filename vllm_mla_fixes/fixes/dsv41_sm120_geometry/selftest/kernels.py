@@ -58,7 +58,7 @@ COMPRESSED_WRITER = "compressed KV writer (rope_quant_insert)"
 INDEXER_WRITER = "indexer K writer (indexer_k_norm_rope_store)"
 ZEROER = "new-block zeroing (KVBlockZeroer)"
 # The CUDA-only op's Triton twin, interpreted, is one program per token; the
-# stand-in computes the same bytes for all tokens at once (tests/test_selftest.py
+# stand-in computes the same bytes for all tokens at once (tests/dsv41_sm120_geometry/test_selftest.py
 # compares the two byte for byte on each release).
 SWA_TWIN_STAND_IN = (
     "stand-in: PyTorch, byte for byte its Triton twin quantize_and_insert_k_cache "
@@ -314,7 +314,7 @@ class Kernels:
         into the weights; on SM100 (0.33.0 on) also the unit MX Q scales and
         weights that vLLM's ``mqa_logits_mx_inputs`` makes, the logits dtype
         the release's DeepSeek config resolves, and the varlen rows' request
-        ``indices`` the metadata builder made (tests/test_selftest_kernel_calls.py
+        ``indices`` the metadata builder made (tests/dsv41_sm120_geometry/test_selftest_kernel_calls.py
         compares this call with vLLM's own, per release and arch)."""
         if not self.is_real(INDEXER_LOGITS):
             return self._launch(

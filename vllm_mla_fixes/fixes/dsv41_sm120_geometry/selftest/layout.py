@@ -119,7 +119,7 @@ def kv_records() -> KvRecords:
     records and 576 for V4's; with V4.1 records the SWA cache's blocks hold
     whole rows of both (the lcm of the two widths) where the release's
     ``DeepseekV4SWACache`` takes that (0.33.0 on).
-    tests/test_selftest_kernel_calls.py evaluates the layer's own statements
+    tests/dsv41_sm120_geometry/test_selftest_kernel_calls.py evaluates the layer's own statements
     on each arch and compares."""
     import inspect
     import math

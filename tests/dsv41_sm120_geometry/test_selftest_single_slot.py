@@ -39,7 +39,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import reference as ref
 
 # The injections test the self-test's own comparisons, which read no release's
 # code; the newest covered release runs them (the faultless run on every covered
-# release is tests/test_selftest.py's).
+# release is tests/dsv41_sm120_geometry/test_selftest.py's).
 NEWEST_DSV41 = fix_releases.newest(dsv41_sm120_geometry.INFO)
 
 

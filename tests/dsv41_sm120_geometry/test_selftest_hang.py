@@ -23,7 +23,7 @@ from test_selftest_isolation import ISOLATED_RUN_ON, _finish, _geometry, _selfte
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 
 HANG = """\
-# A geometry whose kernel never returns (tests/test_selftest_hang.py).
+# A geometry whose kernel never returns (tests/dsv41_sm120_geometry/test_selftest_hang.py).
 import os
 import subprocess
 import time

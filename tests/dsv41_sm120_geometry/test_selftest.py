@@ -51,7 +51,7 @@ fix_apply.with_kernel_slots = lambda original: original
 """
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cpu_env(site: str | None = None, **extra: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 5.0  # what the issue allows a stopped command's processes to be gone in
 
 # A module on the children's PYTHONPATH: each hanging process starts a
@@ -262,7 +262,7 @@ def test_a_stopping_signal_ends_every_child_group_then_acts_as_before(site, sign
 # ------------------------------------------------------------------ the commands
 
 SELFTEST_HANG = """\
-# Every geometry starts a grandchild and hangs (tests/test_selftest_children.py).
+# Every geometry starts a grandchild and hangs (tests/dsv41_sm120_geometry/test_selftest_children.py).
 import hangers
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
 

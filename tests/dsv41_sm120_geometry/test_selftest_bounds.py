@@ -125,7 +125,7 @@ print(json.dumps({"json": report.as_json(), "text": report.text()}))
 @pytest.fixture(scope="module")
 def short_run():
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(Path(__file__).parents[1]))
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(Path(__file__).parents[2]))
     proc = subprocess.run(
         [sys.executable, "-c", SHORT_RUN],
         env=env,

@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.usefixtures("kernels_as_locked"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The original report (shared reports, 001) describes its line without quoting
 # it: DeepSeek-V4.1-Flash, TP8, FLASHINFER_MLA_SPARSE_DSV41, fp8 KV and indexer,
 # engram CPU offload, --language-model-only, --block-size 64 (its first error).
@@ -313,7 +313,7 @@ def test_doctor_command_on_the_report_line_with_dspark_without_a_gpu():
         f["level"] in ("warn", "error") for f in report["findings"] if f["topic"] == fix.INFO.name
     ), report["findings"]
     # doctor's quote of 0.34.0's --block-size 128 error is the text vLLM raises
-    # (tests/test_dsv41_release_0_34.py asserts repro.SPLIT_ERROR on the real code)
+    # (tests/dsv41_sm120_geometry/test_dsv41_release_0_34.py asserts repro.SPLIT_ERROR on the real code)
     assert fix.SPLIT_ERROR_0_34.removeprefix("ValueError: ") in repro.SPLIT_ERROR
 
 

@@ -6,7 +6,7 @@ block id as one region of the whole block stride.  The self-test's
 ``offload-reload`` case takes those regions from the connector worker's own
 ``register_kv_caches``, copies a request's blocks out, overwrites every byte of
 their pages and copies the regions back (it passes in ``vllm-mla-fixes
-selftest``, tests/test_selftest.py).  Here the case is shown to see a wrong
+selftest``, tests/dsv41_sm120_geometry/test_selftest.py).  Here the case is shown to see a wrong
 mover: per-layer manager pages, what a connector that copies each layer's
 un-padded page would move, lose interleaved ratio-1 bytes and are caught.
 """

@@ -26,7 +26,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as 
 from vllm_mla_fixes.patching import State, run_fix
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
-# The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/test_dsv41_release_0_34.py).
+# The upstream failures of 0.32.0/0.33.0; 0.34.0 fails differently (tests/dsv41_sm120_geometry/test_dsv41_release_0_34.py).
 before_0_34 = pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 
 REPORT_ERROR = (

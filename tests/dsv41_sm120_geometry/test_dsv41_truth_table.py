@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.vllm_release(*covered(DSV41)),
     pytest.mark.usefixtures("kernels_as_locked"),
 ]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
 
 

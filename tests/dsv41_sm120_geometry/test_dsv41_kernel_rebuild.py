@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm_release("0.34.0")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "include/deep_gemm/impls/sm120_fp8_paged_mqa_logits.cuh"
 
 

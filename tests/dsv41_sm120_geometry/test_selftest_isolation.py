@@ -31,14 +31,14 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness, plan_geo
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import CASES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DSV41 = fix_releases.covered(fix_releases.DSV41)
 # The faulted run takes about 4 minutes of CPU: on the newest release only (the
 # isolation is the plugin's code, the same on every release).
 ISOLATED_RUN_ON = "0.34.0"
 ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
 FAULTS = f"""\
-# Test faults for the self-test's geometries (tests/test_selftest_isolation.py).
+# Test faults for the self-test's geometries (tests/dsv41_sm120_geometry/test_selftest_isolation.py).
 import os
 import signal
 

@@ -345,7 +345,7 @@ def test_selftest_writes_the_indexer_keys_as_the_indexer_does(arch):
 def test_sm100_window_records_read_back_exactly_on_cpu():
     """On SM100 the window KV and the compressed KV are V4.1 MXFP8 records:
     the self-test lays its caches out for them, its CPU writers store them
-    (the SWA one byte for byte vLLM's Triton twin, tests/test_selftest.py; the
+    (the SWA one byte for byte vLLM's Triton twin, tests/dsv41_sm120_geometry/test_selftest.py; the
     compressor's Triton kernel itself, interpreted), the readers decode them
     and the dense reference quantises every dim per 32; a prefill and a decode
     of the split geometry then read back exactly, every byte in its pages."""
