@@ -54,7 +54,9 @@ def _decided_in_a_new_process(site: Path, cache_dir: Path) -> dict:
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",
         "VLLM_MLA_FIXES_CACHE_DIR": str(cache_dir),
-        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), str(ROOT / "tests")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(site), str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
+        ),
     }
     code = "import json, test_dsv41_kernel_rebuild as t; print(json.dumps(t.decided_here()))"
     done = subprocess.run(
