@@ -25,10 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-# The README's commands after `nox -s lint`, as written there: their sessions are
-# what this script runs (tests/test_foundation.py holds the two to each other).
-TESTS_COMMAND = "nox"
-VERIFY_COMMAND = "nox -t verify"
 LANES = 2
 SESSION_LIMIT_S = 45 * 60
 NOX = ("nox", "--non-interactive")
@@ -38,9 +34,7 @@ printing = threading.Lock()
 stopping = threading.Event()
 
 
-def sessions(command: str) -> list[str]:
-    """The sessions ``command`` (a README nox command) runs, in its order."""
-    selection = command.split()[1:]
+def sessions(*selection: str) -> list[str]:
     listed = subprocess.run(
         [*NOX, "--list", "--json", *selection], capture_output=True, text=True, check=True
     )
@@ -53,8 +47,8 @@ def release_of(session: str) -> tuple[int, ...]:
 
 def chains() -> list[list[str]]:
     """One chain per release: its tests, then its verify session where it has one."""
-    verify = {release_of(s): s for s in sessions(VERIFY_COMMAND)}
-    tests = sessions(TESTS_COMMAND)
+    verify = {release_of(s): s for s in sessions("-t", "verify")}
+    tests = sessions()
     if not set(verify) <= {release_of(s) for s in tests}:
         raise SystemExit(f"a verify session without a test session: {sorted(verify)} {tests}")
     chained = [[s, *([verify[release_of(s)]] if release_of(s) in verify else [])] for s in tests]
