@@ -22,12 +22,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, newest
+from fix_releases import FP8, newest, newest_covered
 
 from vllm_mla_fixes import atomic, review, wheel
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest(DSV41))
+pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
 UPSTREAM = "vllm-0.25.1-py3-none-any.whl"
 INFO = "vllm-0.25.1.dist-info/"
 METADATA = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n\nvLLM\n"
