@@ -29,6 +29,7 @@ from vllm_mla_fixes.fixes import (
 ROOT = Path(__file__).resolve().parent.parent
 on_033 = pytest.mark.vllm_release("0.33.0")
 
+
 def test_every_registry_describes_the_installed_release():
     """Each fingerprint a registry files under the installed release is that release's code."""
     installed = version("vllm")
