@@ -1,5 +1,5 @@
 """The parts of the DeepSeek-V4.1 GPU regression test
-(``tests/gpu/test_dsv41_sm120_gpu.py``) a CPU can run, run against the real
+(``tests/dsv41_sm120_geometry/gpu/test_dsv41_sm120_gpu.py``) a CPU can run, run against the real
 releases (vLLM 0.32.0, 0.33.0, 0.34.0), so that the test is shown -- by
 construction -- to reach the bug and to be able to fail (the shared parts are
 in ``tests/test_gpu_cases_on_cpu.py``).
@@ -88,7 +88,7 @@ def test_dsv41_attention_tolerance_against_a_broken_and_the_fixed_geometry(harne
     """The GPU comparison's tolerance holds for the fix and is exceeded by orders of
     magnitude by a wrong page (the harness reader's error against the dense truth,
     which the probe reproduces); the broken geometry also reads unwritten records."""
-    from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
+    from dsv41_sm120_geometry.gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
 
     attention = ("attention prefill (FlashInfer SM120 sparse MLA)",)
     errors = {
@@ -156,8 +156,8 @@ def test_dsv41_call_probe_flags_a_kernel_that_misreads_the_page_geometry(tmp_pat
     """What the GPU tolerance catches: a kernel addressing the bound pages with another
     geometry (here 32-row pages over 64-row ones) is far off; a faithful one is not."""
     import torch
+    from dsv41_sm120_geometry.gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
     from gpu.inprocess import call_probes
-    from gpu.test_dsv41_sm120_gpu import ATTENTION_TOLERANCE
 
     monkeypatch.setenv(call_probes.LOG_ENV, str(tmp_path / "calls.jsonl"))
     cache = _paged_records(pages=6, rows=64, seed=1)
@@ -295,7 +295,7 @@ def test_indexer_probe_counts_gathered_keys_read_with_another_page_geometry(tmp_
 
 
 def _summary(records):
-    from gpu.test_dsv41_sm120_gpu import attention_summary
+    from dsv41_sm120_geometry.gpu.test_dsv41_sm120_gpu import attention_summary
 
     return attention_summary(
         [{"probe": "install", "pid": API_SERVER_PID}, *records], api_server_pid=API_SERVER_PID
@@ -337,7 +337,7 @@ def _indexer_calls(decode_steps: int, rows: int = 64, error=1e-6, differing=0):
 
 
 def _run(records, healthy=True, log=""):
-    from gpu.test_dsv41_sm120_gpu import MAX_TOKENS
+    from dsv41_sm120_geometry.gpu.test_dsv41_sm120_gpu import MAX_TOKENS
 
     return {
         "healthy": healthy,
@@ -350,7 +350,7 @@ def _run(records, healthy=True, log=""):
 
 def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
     """The with-fix GPU test cannot pass on a run whose attention calls prove nothing."""
-    from gpu.test_dsv41_sm120_gpu import (
+    from dsv41_sm120_geometry.gpu.test_dsv41_sm120_gpu import (
         ATTENTION_LAYERS,
         COMPRESSED_LAYERS,
         MAX_TOKENS,
@@ -395,7 +395,7 @@ def test_dsv41_run_judgement_fails_vacuous_wrong_and_unwritten_runs():
 def test_dsv41_without_fix_fails_on_an_unrelated_failure(version, block_size):
     """Each without-fix GPU case passes only on the bug's own signal: a server that never
     became healthy, an out-of-memory error or a healthy run without the signal fail it."""
-    from gpu.test_dsv41_sm120_gpu import missing_bug_signal, upstream_outcome
+    from dsv41_sm120_geometry.gpu.test_dsv41_sm120_gpu import missing_bug_signal, upstream_outcome
 
     expected = upstream_outcome(version, block_size)
     unrelated = [
