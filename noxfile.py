@@ -308,8 +308,17 @@ def _gpu_session(release: str):
         session.run("python", str(gpu_tests / "preflight.py"), env=env)
         if SELFTEST_RELEASES:  # some fix has a self-test: the real kernels, on this GPU
             _run_selftest(session, release, env)
+        # tests/gpu and each fix's own GPU tests (tests/<fix>/gpu), in one pytest session
+        fix_gpu_tests = sorted(str(folder) for folder in (ROOT / "tests").glob("*/gpu"))
         session.run(
-            "pytest", "--vllm-release", release, "-rs", str(gpu_tests), *session.posargs, env=env
+            "pytest",
+            "--vllm-release",
+            release,
+            "-rs",
+            str(gpu_tests),
+            *fix_gpu_tests,
+            *session.posargs,
+            env=env,
         )
 
     session_func.__doc__ = (

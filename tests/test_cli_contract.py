@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, newest, oldest
+from fix_releases import FP8, first_covered_after, newest
 
 ROOT = Path(__file__).resolve().parent.parent
 STATES = {"applied", "not-needed", "disabled", "skipped"}
-pytestmark = pytest.mark.vllm_release(newest(FP8), oldest(DSV41))
+pytestmark = pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)))
 
 
 def _env(**extra: str) -> dict[str, str]:

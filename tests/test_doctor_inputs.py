@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, newest
+from fix_releases import FP8, newest, newest_covered
 
 from vllm_mla_fixes import doctor, settings
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import settings as dsv41_settings
+from vllm_mla_fixes.fixes import ALL_FIXES
 
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest(DSV41))
+pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GLM = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"  # 16 attention heads
 
@@ -150,8 +150,7 @@ def test_an_unreadable_config_will_fail_and_json_says_so(tmp_path):
     Path(model, "config.json").chmod(0)
     bad = {
         settings.FIXES.name: "all,bogus",
-        dsv41_settings.DSV41_GEOMETRY.name: "split",
-        dsv41_settings.DSV41_DRAFTER_SWA_ROWS.name: "7",
+        **{s.name: "bogus" for fix in ALL_FIXES for s in fix.SETTINGS},  # each fix's own
         settings.CACHE_DIR.name: "/etc/passwd/sub",
     }
     proc = _doctor("--json", "--", "vllm", "serve", model, **bad)

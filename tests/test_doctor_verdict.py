@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, newest, oldest
+from doctor_runs import DSV41_LINE, run_doctor
+from fix_releases import FP8, first_covered_after, newest, newest_covered
 
 from vllm_mla_fixes import doctor
 from vllm_mla_fixes.report import Environment, Finding
@@ -25,27 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "vllm_mla_fixes" / "models"
 TINY_DSV41 = str(MODELS / "tiny_deepseek_v41")
 TINY_GLM = str(MODELS / "tiny_glm_moe_dsa")
-# the line of --help's example, and of the report (001): its first error
-DSV41_LINE = ["vllm", "serve", "deepseek-ai/DeepSeek-V4.1-Flash", "--block-size", "64"]
-
-
-def run_doctor(*args: str, hub: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    """The doctor command as an operator runs it, on a machine without a GPU;
-    ``hub``: an empty Hugging Face home, so (with no network here) the model
-    is known by its name only."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
-    full_env.update(CUDA_VISIBLE_DEVICES="", **env)
-    if hub is not None:
-        full_env.pop("HF_HUB_CACHE", None)
-        full_env["HF_HOME"] = str(hub)
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_mla_fixes", "doctor", *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=ROOT,
-    )
 
 
 # -- the verdict ---------------------------------------------------------------
@@ -117,37 +97,6 @@ def test_ready_on_the_projects_own_lock():
     assert plain.stdout.splitlines()[-1] == "READY" and plain.returncode == 0, plain.stdout
 
 
-@pytest.mark.vllm_release("0.32.0")
-def test_will_fail_dsv41_block_64_with_the_fix_disabled(tmp_path):
-    """The report's line on vLLM 0.32.0 with VLLM_MLA_FIXES=none: vLLM rejects
-    --block-size 64 on SM12x and nothing fixes it.  The hub is offline and
-    the model is not downloaded: doctor still names its architecture."""
-    proc = run_doctor("--", *DSV41_LINE, hub=tmp_path / "hf", VLLM_MLA_FIXES="none")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1].startswith("WILL FAIL: dsv41-sm120-geometry: ")
-    assert "model deepseek-ai/DeepSeek-V4.1-Flash (DeepseekV41ForCausalLM; by its name" in (
-        proc.stdout
-    )
-
-
-@pytest.mark.vllm_release("0.32.0")
-def test_dsv41_line_is_judged_as_the_sm12x_node_sees_it(tmp_path):
-    """No GPU here, so the plugin leaves this process alone; on an SM12x node it
-    applies the fix.  doctor judges that node: nothing it prints about the
-    line is contradicted by a later line (no WARN of the failure the fix covers
-    beside "the fix applies")."""
-    proc = run_doctor("--json", "--", *DSV41_LINE, hub=tmp_path / "hf")
-    report = json.loads(proc.stdout)  # stdout is the JSON document alone
-    assert report["environment"]["fix_states"]["dsv41-sm120-geometry"]["state"] == "not-needed"
-    findings = [f for f in report["findings"] if f["topic"] == "dsv41-sm120-geometry"]
-    assert findings[-1]["level"] == "ok"
-    assert findings[-1]["message"].startswith("on an SM12x serving node the plugin loads the fix")
-    assert not [f for f in findings if f["level"] in ("warn", "error")], findings
-    assert any("gets the interleaved-split geometry" in f["message"] for f in findings)
-    assert (report["verdict"], report["exit_status"]) == ("READY", 0)
-    assert proc.returncode == 0
-
-
 # -- the serve line, checked by vLLM's own parser and config classes ----------
 
 VLLM_REJECTS = [
@@ -167,7 +116,7 @@ VLLM_REJECTS = [
 ]
 
 
-@pytest.mark.vllm_release(newest(FP8), oldest(DSV41), newest(DSV41))
+@pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)), newest_covered())
 @pytest.mark.parametrize(
     "flags, says", VLLM_REJECTS, ids=[f"{' '.join(c[0])}: {c[1]}" for c in VLLM_REJECTS]
 )
@@ -181,7 +130,7 @@ def test_vllm_rejects_the_line_in_its_own_words(flags, says):
     assert "SystemExit" not in finding.message
 
 
-@pytest.mark.vllm_release(newest(FP8), oldest(DSV41), newest(DSV41))
+@pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)), newest_covered())
 def test_vllm_accepts_a_good_line():
     from importlib.metadata import version
 

@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from fix_releases import DSV41, FP8, covered, newest
+from fix_releases import FP8, covered_by_some_fix, newest
 
 from vllm_mla_fixes import patching
-from vllm_mla_fixes.fixes import ALL_FIXES, FIXES_BY_NAME, fp8_ds_mla_reshape
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME, fp8_ds_mla_reshape
 from vllm_mla_fixes.patching import Patch, State, TargetMismatch
 
-RELEASES_WITH_FIXES = (newest(FP8), *covered(DSV41, "<0.34.0"))
+RELEASES_WITH_FIXES = (newest(FP8), *covered_by_some_fix(f">{newest(FP8)},<0.34.0"))
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -218,10 +218,7 @@ def test_register_twice_equals_once(fresh_plugin):
         (" ALL ", set(FIXES_BY_NAME)),
         ("none", set()),
         ("fp8-ds-mla-reshape", {"fp8-ds-mla-reshape"}),
-        (
-            " fp8-ds-mla-reshape , dsv41-sm120-geometry,",
-            {"fp8-ds-mla-reshape", "dsv41-sm120-geometry"},
-        ),
+        (f" {FIX_NAMES[0]} , {FIX_NAMES[-1]},", {FIX_NAMES[0], FIX_NAMES[-1]}),
         # not allowed: treated as unset (None: every fix), one warning at plugin load
         (" fp8-ds-mla-reshape , bogus", None),
         (",", None),
@@ -253,11 +250,11 @@ def test_selection_variable_drives_register(fresh_plugin, monkeypatch, value, st
 def test_loading_the_plugin_again_says_nothing_twice(fresh_plugin, monkeypatch, plugin_log):
     """vLLM may load plugins more than once in a process: each outcome and each
     invalid setting is logged once."""
-    monkeypatch.setenv("VLLM_MLA_FIXES_DSV41_GEOMETRY", "garbage")
+    monkeypatch.setenv("VLLM_MLA_FIXES_CACHE_DIR", "/etc/passwd/sub")
     fresh_plugin.register()
     fresh_plugin.register()
     said = [r.getMessage() for r in plugin_log if r.getMessage().startswith("vllm-mla-fixes: ")]
-    assert any("VLLM_MLA_FIXES_DSV41_GEOMETRY='garbage' is not allowed" in m for m in said), said
+    assert any("VLLM_MLA_FIXES_CACHE_DIR='/etc/passwd/sub' is not allowed" in m for m in said), said
     assert any("fa4-compile-strides not applied" in m for m in said), said
     assert len(said) == len(set(said)), said
 

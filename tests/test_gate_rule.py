@@ -10,58 +10,14 @@ fix's probe (``None`` here).
 
 from __future__ import annotations
 
-import logging
-
 import pytest
+from gate_rule_tables import PROBE, expected_decisions
 from packaging.version import Version
 
 from vllm_mla_fixes.fixes import ALL_FIXES, FIXES_BY_NAME
 from vllm_mla_fixes.patching import State, release_decision, run_fix
 
-PROBE = "probe"
-NOT_REVIEWED = "skipped: not reviewed: vLLM {v} is newer than 0.34.0"
-NOT_COVERED = "skipped: bug present in vLLM {v}, not covered here; upgrade to 0.32.0+"
-
-EXPECTED = {
-    "fp8-ds-mla-reshape": {
-        "0.24.0": "not-needed",
-        "0.25.0": PROBE,
-        "0.25.1": PROBE,
-        "0.25.2rc1.dev1133+g1234abc": PROBE,
-        "0.26.0": "not-needed",
-        "0.26.0+cu130": "not-needed",
-        "0.26.1.dev3+gabcdef0": "not-needed",
-        "0.34.0": "not-needed",
-        "0.40.0": "not-needed",
-    },
-    "fa4-compile-strides": {
-        "0.23.0": "not-needed",
-        "0.23.1rc1.dev1133+g1234abc": PROBE,
-        "0.24.0": PROBE,
-        "0.25.1": PROBE,
-        "0.26.0": "not-needed",
-        "0.26.1.dev3+gabcdef0": "not-needed",
-        "0.40.0": "not-needed",
-    },
-    "dsv41-sm120-geometry": {
-        "0.26.0": "not-needed",
-        "0.29.0": "not-needed",
-        "0.30.0": NOT_COVERED,
-        "0.31.0": NOT_COVERED,
-        "0.31.1rc1.dev5+g1234abc": NOT_COVERED,
-        "0.32.0": PROBE,
-        "0.33.0": PROBE,
-        "0.33.1.dev7+g1234abc": PROBE,
-        "0.34.0": PROBE,
-        "0.34.0+cu130": PROBE,
-        "0.34.0rc2": PROBE,
-        "0.34.1": NOT_REVIEWED,
-        "0.34.1.dev12+g1234abc": NOT_REVIEWED,
-        "0.35.0rc1.dev3+g1234abc": NOT_REVIEWED,
-        "0.35.0": NOT_REVIEWED,
-        "1.0.0": NOT_REVIEWED,
-    },
-}
+EXPECTED = expected_decisions()
 
 
 def _label(status) -> str:
@@ -119,31 +75,6 @@ def test_run_fix_decides_by_release_before_probing():
         assert result.status.state is expected, result.status
 
 
-def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypatch):
-    import vllm
-    import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.DEBUG)
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.mla_fixes")
-    logger.addHandler(handler)
-    monkeypatch.setattr(vllm, "__version__", "0.35.0")
-    monkeypatch.delenv("VLLM_MLA_FIXES", raising=False)
-    try:
-        fresh_plugin.register()
-    finally:
-        logger.removeHandler(handler)
-    status = {s.name: s for s in fresh_plugin.status()}
-    assert status["dsv41-sm120-geometry"].state is State.SKIPPED
-    assert status["fp8-ds-mla-reshape"].state is State.NOT_NEEDED
-    assert status["fa4-compile-strides"].state is State.NOT_NEEDED
-    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, warnings
-    assert "dsv41-sm120-geometry" in warnings[0] and "not reviewed" in warnings[0]
-    assert "newer than 0.34.0, the newest release reviewed for this fix" in warnings[0]
-
-
 @pytest.mark.parametrize(
     "fix, version", [(fix, v) for fix, table in EXPECTED.items() for v in table]
 )
@@ -174,4 +105,5 @@ def test_doctor_follows_the_same_rule(fix, version, monkeypatch):
     else:
         assert finding.level == "warn" and finding.message.startswith(expected), finding
         if "not reviewed" in expected:
-            assert "serve with vLLM 0.34.0" in finding.advice, finding
+            newest = FIXES_BY_NAME[fix].INFO.newest_reviewed
+            assert f"serve with vLLM {newest}" in finding.advice, finding

@@ -40,24 +40,23 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, covered, newest
+from fix_releases import FP8, newest, newest_covered
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from vllm_mla_fixes import cli
 from vllm_mla_fixes import settings as plugin_settings
-from vllm_mla_fixes.fixes import FIX_NAMES
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import settings as dsv41_settings
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, SELFTEST_RELEASES
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "cli_worker.py"
 TINY_GLM = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"
 DOCUMENTED_EXIT = {0, 1, 2}
 FULL_EXAMPLES = {"argv": 120, "settings": 20, "cache_dir": 30, "config": 25, "serve_line": 25}
-# Every session runs the suite; the sessions where the 0.25 fixes and the
-# DeepSeek-V4.1 fix apply run it in full, the others a quarter of it (the
+# Every session runs the suite; the sessions of the 0.25 fixes and of the
+# newest release a fix covers run it in full, the others a quarter of it (the
 # contract is this package's; a release changes which fixes it meets).
-FULL_ON = (newest(FP8), newest(DSV41))
+FULL_ON = (newest(FP8), newest_covered())
 SHARE = 1 if version("vllm") in FULL_ON else 4
 EXAMPLES = {kind: max(5, count // SHARE) for kind, count in FULL_EXAMPLES.items()}
 PROPERTY = settings(
@@ -363,7 +362,7 @@ def _long_running(argv: list[str]) -> bool:
         return True
     from vllm_mla_fixes import installed_vllm_version
 
-    if args.command == "selftest" and installed_vllm_version() in covered(DSV41):
+    if args.command == "selftest" and installed_vllm_version() in SELFTEST_RELEASES:
         return True
     return args.command == "status" and args.json and args.truth_table
 
@@ -411,12 +410,23 @@ def test_every_command_line_keeps_the_contract(worker, inputs, tmp_path, record_
 FIX_SELECTIONS = pool(
     "all", "none", "ALL", " all ", ",", "all,none", *FIX_NAMES, ",".join(FIX_NAMES)
 )
+
+
+def values_around(setting: plugin_settings.Setting) -> st.SearchStrategy[str]:
+    """A fix's own setting: each value it allows, as written, upper-cased and
+    space-padded, and a near miss of each (its first half)."""
+    allowed = setting.allowed.split(" or ")
+    return pool(
+        *allowed,
+        *(v.upper() for v in allowed),
+        *(f" {v} " for v in allowed),
+        *(v[: len(v) // 2] for v in allowed),
+    )
+
+
 SETTING_VALUES = {
     plugin_settings.FIXES.name: FIX_SELECTIONS,
-    dsv41_settings.DSV41_GEOMETRY.name: pool(
-        "interleaved-split", "per-ratio", "split", "PER-RATIO"
-    ),
-    dsv41_settings.DSV41_DRAFTER_SWA_ROWS.name: pool("64", "128", " 64 ", "32", "0x40", "1e2"),
+    **{s.name: values_around(s) for fix in ALL_FIXES for s in fix.SETTINGS},
 }
 CACHE_SEGMENT = st.one_of(
     st.sampled_from(["screens", "..", ".", "~", "x" * 300, " ", "ünï", "\udcff", "new\nline"]),

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, covered, newest, oldest
+from fix_releases import FP8, first_covered_after, newest, newest_covered
+from screen_cache_folder import fresh_screen_cache
 
 from vllm_mla_fixes import patching, screen_cache
 from vllm_mla_fixes.fixes import ALL_FIXES
@@ -21,10 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(screen_cache.CACHE_DIR_ENV, str(tmp_path / "screens"))
-    patching.vllm_source.cache_clear()
-    yield tmp_path / "screens"
-    patching.vllm_source.cache_clear()
+    yield from fresh_screen_cache(tmp_path, monkeypatch)
 
 
 def _screen_outcome(fix) -> str | None:
@@ -51,7 +49,7 @@ def test_a_screen_reads_only_the_modules_its_key_covers(fix, cache, monkeypatch)
     assert set(read) <= covered, sorted(set(read) - covered)
 
 
-@pytest.mark.vllm_release(newest(FP8), oldest(DSV41))
+@pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)))
 @pytest.mark.parametrize("fix", ALL_FIXES, ids=[f.INFO.name for f in ALL_FIXES])
 def test_cached_verdict_is_the_screened_one_and_parses_nothing(fix, cache):
     calls = []
@@ -112,17 +110,6 @@ def test_unusable_cache_falls_back_to_screening(cache, monkeypatch):
     assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
 
 
-@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
-def test_dsv41_probe_on_sm120_parses_nothing_the_second_time(cache):
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
-
-    assert dsv41.probe((12, 0)) is None
-    assert patching.vllm_source.cache_info().misses > 0
-    patching.vllm_source.cache_clear()
-    assert dsv41.probe((12, 0)) is None
-    assert patching.vllm_source.cache_info().misses == 0
-
-
 @pytest.mark.vllm_release("0.25.1")
 def test_every_vllm_process_after_the_first_parses_nothing(tmp_path):
     """Two fresh processes, as vLLM starts them: same fix states, and the second
@@ -154,17 +141,6 @@ def test_every_vllm_process_after_the_first_parses_nothing(tmp_path):
     assert results[0]["states"] == results[1]["states"]
     assert ["fp8-ds-mla-reshape", "applied"] == results[1]["states"][0][:2]
     assert results[0]["parsed"] > 0 and results[1]["parsed"] == 0
-
-
-@pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
-def test_a_changed_reviewed_table_is_screened_again(cache, monkeypatch):
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
-
-    assert dsv41.probe((12, 0)) is None  # cached: the reviewed code
-    target = (dsv41.ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec")
-    monkeypatch.setitem(dsv41.REVIEWED, target, {"0000000000000000": "not this release"})
-    with pytest.raises(patching.TargetMismatch, match="get_kv_cache_spec"):
-        dsv41.probe((12, 0))
 
 
 # -- a cache folder that cannot be used never turns a fix off (issue 35) ------------------
@@ -204,7 +180,7 @@ UNUSABLE_CACHE_DIRS = {
 }
 
 
-@pytest.mark.vllm_release(newest(FP8), newest(DSV41))
+@pytest.mark.vllm_release(newest(FP8), newest_covered())
 @pytest.mark.parametrize("case", UNUSABLE_CACHE_DIRS, ids=str)
 def test_an_unusable_cache_folder_warns_once_and_turns_no_fix_off(
     case, fresh_plugin, plugin_log, monkeypatch, tmp_path

@@ -18,16 +18,16 @@ import subprocess
 import sys
 import threading
 import zipfile
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, FP8, newest
+from cli_runs import cli
+from fix_releases import FP8, newest, newest_covered
 
-from vllm_mla_fixes import atomic, review, wheel
+from vllm_mla_fixes import atomic, wheel
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest(DSV41))
+pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
 UPSTREAM = "vllm-0.25.1-py3-none-any.whl"
 INFO = "vllm-0.25.1.dist-info/"
 METADATA = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n\nvLLM\n"
@@ -50,18 +50,6 @@ def _upstream(folder: Path, entries: dict[str, bytes] | None = None, padding: in
         for name, data in files.items():
             archive.writestr(zipfile.ZipInfo(name, date_time=(2026, 1, 2, 3, 4, 6)), data)
     return path
-
-
-def cli(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_mla_fixes", *args],
-        cwd=cwd,
-        env={**full, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def _one_error(proc: subprocess.CompletedProcess, status: int, says: str) -> None:
@@ -302,30 +290,3 @@ def test_review_latest_skips_entries_of_odd_types(index, tmp_path):
     url = index([{"filename": 5}, {"filename": None, "yanked": True}, {"url": "x"}])
     proc = cli("review", "--vllm", "latest", "--index-url", url, cwd=tmp_path)
     _one_error(proc, 2, f"the index at {url} lists no vLLM wheel")
-
-
-@pytest.mark.vllm_release("0.34.0")
-def test_review_of_a_wheel_with_a_syntax_error_in_a_reviewed_module(tmp_path):
-    """The installed release's reviewed modules, packed as its wheel, one of
-    them cut off mid-definition: reported as missing definitions and a failing
-    source screen, exit status 1, never a traceback."""
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry  # in scope of 0.34.0
-    from vllm_mla_fixes.screen_cache import source_file
-
-    modules = sorted(m for m in review.reviewed_modules() if source_file(m) is not None)
-    broken = sorted(m for m, _ in dsv41_sm120_geometry.REVIEWED)[0]
-    release = version("vllm")
-    path = tmp_path / f"vllm-{release}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as archive:
-        for module in modules:
-            source = source_file(module)
-            assert source is not None
-            arcname = "/".join(module.split(".")) + (
-                "/__init__.py" if source.name == "__init__.py" else ".py"
-            )
-            text = source.read_text(encoding="utf-8")
-            archive.writestr(arcname, text + ("\ndef broken(:\n" if module == broken else ""))
-    proc = cli("review", "--vllm-wheel", str(path), cwd=tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
-    assert f"missing    {broken}:" in proc.stdout, proc.stdout
-    assert "SyntaxError" in proc.stdout and "NEEDS REVIEW" in proc.stdout

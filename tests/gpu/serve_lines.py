@@ -16,13 +16,25 @@ before the platform touched them.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 from importlib.metadata import version
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+
+
+def _fix_folder_serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
+    """The serve lines of the GPU tests in the fixes' own test folders
+    (``tests/<fix>/gpu/test_*.py``): each module's ``serve_lines(release)``."""
+    lines = {}
+    for path in sorted(TESTS.glob("*/gpu/test_*.py")):
+        module_name = ".".join(path.relative_to(TESTS).with_suffix("").parts)
+        lines.update(importlib.import_module(module_name).serve_lines(release))
+    return lines
 
 
 def _serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
@@ -37,16 +49,7 @@ def _serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
         lines["fp8 --enforce-eager"] = (glm, [*fp8.FLAGS, "--enforce-eager"])
         lines["fa4 bench serve"] = (fa4.MODEL, fa4.SERVE_ARGS)
         lines["fa4 report's line"] = (fa4.MODEL, fa4.REPORT_SERVE_ARGS)
-    if release.startswith(("0.32.", "0.33.", "0.34.")):
-        from gpu import test_dsv41_sm120_gpu as dsv41
-
-        for block_size in (64, 128):
-            flags = dsv41.issue_flags(block_size)
-            if "--moe-backend" not in flags:  # the SM120 CI job's choice
-                flags += ["--moe-backend", "marlin"]
-            lines[f"dsv41 bs{block_size}"] = (dsv41.MODEL_DIR, flags)
-            lines[f"dsv41 bs{block_size} eager"] = (dsv41.MODEL_DIR, [*flags, "--enforce-eager"])
-    return lines
+    return lines | _fix_folder_serve_lines(release)
 
 
 def _bench_lines(release: str) -> dict[str, list[str]]:

@@ -49,13 +49,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from gpu.inprocess.call_probes import LOG_ENV, read_log
+
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import SPLIT, UPSTREAM
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.bounds import real_attention_bound
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
-PROBE_DIR = Path(__file__).with_name("inprocess")
+TESTS = Path(__file__).resolve().parents[2]
+MODEL_DIR = TESTS.parent / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
+PROBE_DIR = TESTS / "gpu" / "inprocess"
 BACKEND = "FLASHINFER_MLA_SPARSE_DSV41"
 COMMON = [
     "--load-format",
@@ -87,6 +88,21 @@ def issue_flags(block_size: int) -> list[str]:
         *COMMON,
         *(["--moe-backend", MOE_BACKEND] if MOE_BACKEND else []),
     ]
+
+
+def serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
+    """This test's serve lines on ``release`` (``tests/gpu/serve_lines.py`` builds
+    them on a CPU): name -> (model, serve arguments after the model)."""
+    if not release.startswith(("0.32.", "0.33.", "0.34.")):
+        return {}
+    lines = {}
+    for block_size in (64, 128):
+        flags = issue_flags(block_size)
+        if "--moe-backend" not in flags:  # the SM120 CI job's choice
+            flags += ["--moe-backend", "marlin"]
+        lines[f"dsv41 bs{block_size}"] = (MODEL_DIR, flags)
+        lines[f"dsv41 bs{block_size} eager"] = (MODEL_DIR, [*flags, "--enforce-eager"])
+    return lines
 
 
 # Long enough that ratio-1/ratio-2 compressed caches span several pages and the

@@ -1,0 +1,56 @@
+"""The doctor command run as an operator runs it, and its JSON findings: the
+helpers of ``test_doctor*.py`` here and in the fixes' own test folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the line of --help's example, and of the report (001): its first error
+DSV41_LINE = ["vllm", "serve", "deepseek-ai/DeepSeek-V4.1-Flash", "--block-size", "64"]
+
+
+def run_doctor(
+    *args: str, python: str = sys.executable, hub: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """The doctor command as an operator runs it, on a machine without a GPU,
+    with ``python`` (this one unless given); ``hub``: an empty Hugging Face home, so (with no network here) the model
+    is known by its name only."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
+    full_env.update(CUDA_VISIBLE_DEVICES="", **env)
+    if hub is not None:
+        full_env.pop("HF_HUB_CACHE", None)
+        full_env["HF_HOME"] = str(hub)
+    return subprocess.run(
+        [python, "-m", "vllm_mla_fixes", "doctor", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
+
+
+def findings_of(proc) -> list[dict]:
+    return json.loads(proc.stdout)["findings"]  # stdout is the JSON document alone
+
+
+def accepted_by_vllm(flag: str) -> None:
+    """Build the config object vLLM builds from this serve flag (it validates
+    names and values with pydantic, as `vllm serve` does)."""
+    from vllm.config import AttentionConfig, KernelConfig
+
+    option, value = shlex.split(flag)
+    if option == "--moe-backend":
+        assert KernelConfig(moe_backend=value).moe_backend == value
+        return
+    config_class = {"--attention-config": AttentionConfig, "--kernel-config": KernelConfig}[option]
+    fields = json.loads(value)
+    config = config_class(**fields)
+    for key, wanted in fields.items():
+        assert str(getattr(config, key)).split(".")[-1] == str(wanted), (flag, getattr(config, key))

@@ -1,0 +1,34 @@
+"""The release rule on the DeepSeek-V4.1 fix, the one fix still open upstream
+(the shared rule tests are in ``tests/test_gate_rule.py``; this fix's rows of
+their table are in ``gate_rule_expected.py`` beside this file)."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_mla_fixes.patching import State
+
+
+def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypatch):
+    import vllm
+    import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.mla_fixes")
+    logger.addHandler(handler)
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.delenv("VLLM_MLA_FIXES", raising=False)
+    try:
+        fresh_plugin.register()
+    finally:
+        logger.removeHandler(handler)
+    status = {s.name: s for s in fresh_plugin.status()}
+    assert status["dsv41-sm120-geometry"].state is State.SKIPPED
+    assert status["fp8-ds-mla-reshape"].state is State.NOT_NEEDED
+    assert status["fa4-compile-strides"].state is State.NOT_NEEDED
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "dsv41-sm120-geometry" in warnings[0] and "not reviewed" in warnings[0]
+    assert "newer than 0.34.0, the newest release reviewed for this fix" in warnings[0]
