@@ -13,8 +13,8 @@ Only the status and build-wheel cases need vLLM or its wheel; all run in the
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -25,56 +25,42 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from bad_input_runs import Case, assert_one_error, case, cli, operator_env
 
 import vllm_mla_fixes
 from vllm_mla_fixes import wheel
+from vllm_mla_fixes.fixes import ALL_FIXES
 
 pytestmark = pytest.mark.vllm_release("0.25.1")
 STUB = Path(__file__).resolve().parent / "servers" / "openai_stub.py"
-COMMANDS = ("status", "verify", "doctor", "selftest", "smoke", "build-wheel", "review")
-GEOMETRY = "VLLM_MLA_FIXES_DSV41_GEOMETRY"
-DRAFTER = "VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS"
+
+
+def _fixes_cases() -> list[ModuleType]:
+    """The cases each fix's own test folder adds, in ``bad_input_cases.py``:
+    its commands, their bad arguments, its settings' invalid values."""
+    tests = Path(__file__).resolve().parent
+    folders = (fix.__name__.rsplit(".", 1)[1] for fix in ALL_FIXES)
+    return [
+        importlib.import_module(f"{folder}.bad_input_cases")
+        for folder in folders
+        if (tests / folder / "bad_input_cases.py").exists()
+    ]
+
+
+FIXES_CASES = _fixes_cases()
+COMMANDS = (
+    "status",
+    "verify",
+    "doctor",
+    "smoke",
+    "build-wheel",
+    "review",
+    *(command for table in FIXES_CASES for command in table.COMMANDS),
+)
 CACHE_DIR = "VLLM_MLA_FIXES_CACHE_DIR"
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("VLLM_MLA_FIXES") and k not in ("VLLM_PLUGINS", "VLLM_LOGGING_STREAM")
-    }
-    env.update(CUDA_VISIBLE_DEVICES="", **(extra or {}))
-    return env
-
-
-def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_mla_fixes", *args],
-        cwd=cwd,
-        env=_env(env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def assert_one_error(proc: subprocess.CompletedProcess, status: int, says: str) -> None:
-    """Exit status, one error line on stderr naming the cause, no traceback,
-    and the same error as the JSON document where --json was asked for."""
-    output = proc.stdout + proc.stderr
-    assert "Traceback" not in output, output[-3000:]
-    assert proc.returncode == status, output[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("vllm-mla-fixes") and says in errors[0], errors[0]
-    own_args = proc.args[: proc.args.index("--")] if "--" in proc.args else proc.args
-    if "--json" in own_args:
-        document = json.loads(proc.stdout)
-        assert document["exit_status"] == status and says in document["error"], document
-    else:
-        assert proc.stdout == "", proc.stdout
 
 
 # -- the files and servers the cases name --------------------------------------------------
@@ -132,20 +118,6 @@ def stub_server():
 # -- arguments and files: no vLLM needed ---------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    argv: tuple[str, ...]
-    status: int
-    says: str
-
-    def __str__(self) -> str:
-        return " ".join(self.argv) or "(nothing)"
-
-
-def case(argv: str, status: int, says: str) -> Case:
-    return Case(tuple(argv.split(" ")) if argv else (), status, says)
-
-
 ARGUMENT_CASES = [
     # the program itself
     case("", 2, "the following arguments are required: COMMAND"),
@@ -163,21 +135,6 @@ ARGUMENT_CASES = [
     case("doctor --json --bogus", 2, "unrecognized arguments: --bogus"),
     case("doctor -- vllm serve", 2, "the serve line names no model"),
     case("doctor --json -- vllm serve", 2, "the serve line names no model"),
-    # selftest
-    case("selftest --jobs 0", 2, "argument --jobs: 0 is not positive (allowed: 1 or more)"),
-    case("selftest --jobs -1", 2, "argument --jobs: -1 is not positive"),
-    case("selftest --jobs many", 2, "argument --jobs: 'many' is not a whole number"),
-    case("selftest --json --jobs 0", 2, "argument --jobs: 0 is not positive"),
-    case("selftest --geometry bogus", 2, "argument --geometry: invalid choice: 'bogus'"),
-    case("selftest --report", 2, "argument --report: expected one argument"),
-    case(
-        "selftest --json --report /no/such/folder/selftest.json",
-        2,
-        "--report '/no/such/folder/selftest.json': its folder does not exist",
-    ),
-    case("selftest --bogus", 2, "unrecognized arguments: --bogus"),
-    case("selftest --json --report {root}", 2, "--report '{root}': it is a folder; give a file"),
-    case("selftest --report {text}/report.json", 2, "its folder does not exist"),
     # smoke
     case("smoke", 2, "the following arguments are required: url"),
     case("smoke http://127.0.0.1:99999", 2, "'http://127.0.0.1:99999' has an invalid port"),
@@ -257,6 +214,7 @@ ARGUMENT_CASES = [
         2,
         "cannot read the package index at http://127.0.0.1:",
     ),
+    *(bad for table in FIXES_CASES for bad in table.ARGUMENT_CASES),
 ]
 
 
@@ -322,29 +280,30 @@ def test_smoke_where_nothing_listens_says_so_in_both_modes(files, tmp_path):
 
 # Each run sets several invalid variables at once (each status run loads vLLM);
 # every case asserts on its own variable.
-STATUS_RUNS = {
-    "human-1": {"VLLM_MLA_FIXES": "all,bogus", GEOMETRY: "garbage", DRAFTER: "7"},
-    "json-1": {"VLLM_MLA_FIXES": ",", DRAFTER: "-1", CACHE_DIR: "relative/screens"},
+SHARED_STATUS_RUNS = {
+    "human-1": {"VLLM_MLA_FIXES": "all,bogus"},
+    "json-1": {"VLLM_MLA_FIXES": ",", CACHE_DIR: "relative/screens"},
     "human-2": {
         "VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape",
-        DRAFTER: "abc",
-        GEOMETRY: "split",
         CACHE_DIR: "/etc/passwd/sub",  # issue 35: shown as valid before, and never written
     },
     "json-plugins": {"VLLM_PLUGINS": "someother"},
 }
+STATUS_RUNS = {
+    run: {
+        **env,
+        **{k: v for t in FIXES_CASES for k, v in t.STATUS_RUN_SETTINGS.get(run, {}).items()},
+    }
+    for run, env in SHARED_STATUS_RUNS.items()
+}
 SETTING_CASES = [
     # (run, variable, what its one warning must say besides its name, value and allowed values)
     ("human-1", "VLLM_MLA_FIXES", "'all' must stand alone; unknown fix name 'bogus'"),
-    ("human-1", GEOMETRY, "not a geometry name"),
-    ("human-1", DRAFTER, "not a page size a drafter's pages can take"),
     ("json-1", "VLLM_MLA_FIXES", "it names no fix"),
-    ("json-1", DRAFTER, "not a page size a drafter's pages can take"),
     ("json-1", CACHE_DIR, "a relative path would differ between vLLM's processes"),
     ("human-2", "VLLM_MLA_FIXES", "'none' must stand alone"),
-    ("human-2", DRAFTER, "not a page size a drafter's pages can take"),
-    ("human-2", GEOMETRY, "not a geometry name"),
     ("human-2", CACHE_DIR, "'/etc/passwd' is a file"),
+    *(case for table in FIXES_CASES for case in table.SETTING_CASES),
 ]
 
 
@@ -357,7 +316,7 @@ def status_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         started[name] = subprocess.Popen(
             [sys.executable, "-m", "vllm_mla_fixes", *args],
             cwd=tmp_path_factory.mktemp(name),
-            env=_env(env),
+            env=operator_env(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -521,7 +480,7 @@ def test_build_wheel_stopped_leaves_the_folder_as_it_was(
             "7",
         ],
         cwd=tmp_path,
-        env=_env(),
+        env=operator_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -553,20 +512,13 @@ def test_build_wheel_stopped_leaves_the_folder_as_it_was(
 # -- output paths: checked before any long work, results printed before written (issue 35) --
 
 
-def test_selftest_report_of_an_empty_path_is_refused_at_once(tmp_path):
-    started = time.monotonic()
-    proc = cli("selftest", "--json", "--report", "", cwd=tmp_path)
-    assert_one_error(proc, 2, "--report '': an empty path names no file")
-    assert time.monotonic() - started < 30  # before torch, vLLM or any geometry
-
-
 def _read_only(folder: Path, *argv: str) -> subprocess.CompletedProcess:
     """``argv`` run where ``folder`` is a read-only file system: a read-only
     bind mount of it, in a mount namespace of the command's own."""
     script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
     return subprocess.run(
         ["unshare", "--mount", "sh", "-c", script, str(folder), *argv],
-        env=_env(),
+        env=operator_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -577,10 +529,16 @@ def _read_only(folder: Path, *argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "command",
     [
-        ("selftest", "--json", "--report", "{folder}/selftest.json"),
-        ("build-wheel", "--vllm-wheel", "{garbage}", "--out", "{folder}/dist"),
+        pytest.param(
+            ("build-wheel", "--vllm-wheel", "{garbage}", "--out", "{folder}/dist"),
+            id="build-wheel --out",
+        ),
+        *(
+            pytest.param(argv, id=name)
+            for table in FIXES_CASES
+            for name, argv in table.READ_ONLY_OUTPUTS.items()
+        ),
     ],
-    ids=["selftest --report", "build-wheel --out"],
 )
 def test_an_output_on_a_read_only_file_system_is_refused_at_once(files, tmp_path, command):
     folder = tmp_path / "read-only"
@@ -590,24 +548,3 @@ def test_an_output_on_a_read_only_file_system_is_refused_at_once(files, tmp_path
     proc = _read_only(folder, sys.executable, "-m", "vllm_mla_fixes", *argv)
     assert_one_error(proc, 2, f"cannot write in '{folder}': Read-only file system")
     assert time.monotonic() - started < 30
-
-
-def test_selftest_prints_its_report_before_writing_it(tmp_path, monkeypatch, capsys):
-    """A report file that cannot be written after the run (the disk filled
-    up meanwhile) loses nothing: the report is on stdout already, and one
-    line says the file is missing."""
-    from vllm_mla_fixes import atomic
-    from vllm_mla_fixes import cli as cli_module
-
-    def disk_full(target, data):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(atomic, "write_atomic", disk_full)
-    status = cli_module.main(["selftest", "--json", "--report", str(tmp_path / "r.json")])
-    captured = capsys.readouterr()
-    report = json.loads(captured.out)  # the whole report, printed first
-    assert report["vllm"] == "0.25.1" and status == 2
-    assert captured.err.strip().splitlines()[-1] == (
-        f"vllm-mla-fixes selftest: error: --report '{tmp_path / 'r.json'}' not written "
-        "(No space left on device); the report is printed above"
-    )
