@@ -364,7 +364,8 @@ def _long_running(argv: list[str]) -> bool:
 
     if args.command == "selftest" and installed_vllm_version() in SELFTEST_RELEASES:
         return True
-    return args.command == "status" and args.json and args.truth_table
+    # --truth-table: a status option a fix adds (DeepSeek-V4.1's), absent without it
+    return args.command == "status" and args.json and getattr(args, "truth_table", False)
 
 
 def _offline(argv: list[str], inputs: dict[str, str]) -> list[str]:
