@@ -75,3 +75,25 @@ class Fix(Protocol):
 
     def status_json(self, args: argparse.Namespace) -> dict[str, Any]:
         """The keys the fix adds to ``status --json``, after ``exit_status``."""
+
+
+# -- the members of a fix without commands, status keys, kernel statements or set-up of its
+# own: such a fix imports these under the protocol's names.
+
+
+def no_preparation() -> None:
+    """``prepare_verify``: its reproduction runs in the process as it is."""
+
+
+def no_commands(commands: Commands) -> None:
+    """``add_commands``: no commands or options of its own."""
+
+
+def no_disagreements() -> list[str]:
+    """``kernel_disagreements``: it states nothing about a kernel's envelope."""
+    return []
+
+
+def no_status_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """``status_json``: no keys of its own."""
+    return {}

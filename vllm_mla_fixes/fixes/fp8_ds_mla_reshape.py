@@ -46,6 +46,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
+from vllm_mla_fixes import fix
 from vllm_mla_fixes.patching import (
     Definition,
     FixInfo,
@@ -58,9 +59,6 @@ from vllm_mla_fixes.patching import (
 # typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
 # on the module's upper-case names (screen_cache._constants).
 if typing.TYPE_CHECKING:
-    import argparse
-
-    from vllm_mla_fixes.cli import Commands
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
     from vllm_mla_fixes.settings import Setting
 
@@ -379,24 +377,14 @@ def _likely_backend(sm: int | None) -> str:
 
 # -- the rest of the Fix protocol (vllm_mla_fixes.fix) ------------------------------------
 
-
-def prepare_verify() -> None:
-    """Nothing to set up: its reproduction runs in the process as it is."""
+# What it has nothing of its own for: set-up, commands, kernel statements, status keys.
+prepare_verify = fix.no_preparation
+add_commands = fix.no_commands
+kernel_disagreements = fix.no_disagreements
+status_json = fix.no_status_keys
 
 
 def verify(report: Callable[[str], None]) -> bool:
     from vllm_mla_fixes.reproductions import fp8_ds_mla
 
     return fp8_ds_mla.verify(report)
-
-
-def add_commands(commands: Commands) -> None:
-    """No commands of its own."""
-
-
-def kernel_disagreements() -> list[str]:
-    return []  # it makes no statement about a kernel's envelope
-
-
-def status_json(args: argparse.Namespace) -> dict[str, Any]:
-    return {}
