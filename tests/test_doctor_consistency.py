@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from vllm_mla_fixes.doctor import EXIT_STATUS, LOCAL_MODEL_PLACEHOLDER
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import dspark_long_prompt
 from vllm_mla_fixes.report import Environment, Finding
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,9 @@ DOCS_LINE = [
     "64",
     *DSPARK,
 ]
+# the issue's speculative config (vllm#56771), and doctor's advice for short prompts
+DSPARK_5 = ["--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5}']
+SHORT_PROMPTS = dspark_long_prompt.SHORT_PROMPTS_FLAG.split()
 FIXES_OFF = (("VLLM_MLA_FIXES", "none"),)
 OFFLINE = (("HF_HUB_OFFLINE", "1"),)  # and an empty Hugging Face home
 
@@ -96,6 +100,14 @@ CASES = [
     Case("0.34.0", "no line"),
     Case("0.34.0", "DSV4.1 block 64", (*DSV41, "--block-size", "64")),
     Case("0.34.0", "DSV4.1 block 128 DSpark", (*DSV41, "--block-size", "128", *DSPARK)),
+    # vllm#56771: DSpark on SM12x, each tensor-parallel size on each release it is reported on
+    *(
+        Case(release, f"DSV4.1 DSpark tp {tp}", (*DSV41, "-tp", str(tp), *DSPARK_5))
+        for release in ("0.32.0", "0.33.0", "0.34.0")
+        for tp in (1, 2, 4, 8)
+    ),
+    Case("0.32.0", "DSV4.1 DSpark tp 4, fixes off", (*DSV41, "-tp", "4", *DSPARK_5), FIXES_OFF),
+    Case("0.34.0", "DSV4.1 DSpark short prompts", (*DSV41, *DSPARK_5, *SHORT_PROMPTS)),
 ]
 
 # One interpreter per release and setting: doctor's diagnose and report, as the CLI calls them.
@@ -305,6 +317,7 @@ TESTED_HERE = {
     "--attention-config ": "test_doctor.py::test_remedy_*_flags_are_valid_serve_flags",
     "--kernel-config ": "test_doctor.py::test_remedy_fa4_workaround_flags_are_valid_serve_flags",
     "--moe-backend ": "test_doctor.py::test_remedy_dsv41_flags_are_valid_serve_flags",
+    "--max-model-len ": "test_dspark_short_prompt_advice_takes_the_warning_away, below",
 }
 COMMAND_START = re.compile(
     r"(pip |export |unset |vllm-mla-fixes |vllm serve|flashinfer |python |--[a-z])"
@@ -514,3 +527,44 @@ def test_enable_all_advice_applies_the_fixes(reports):
     done = _shell(f"{command} && vllm-mla-fixes status --json", VLLM_MLA_FIXES="none")
     states = {fix["name"]: fix["state"] for fix in json.loads(done.stdout)["fixes"]}
     assert states["fp8-ds-mla-reshape"] == "applied", done.stdout
+
+
+# -- vllm#56771: a DSpark line on SM12x ------------------------------------------------
+
+DSPARK_CASES = [c for c in CASES if "DSpark tp" in c.name]
+
+
+@pytest.mark.parametrize(
+    "case_id", [pytest.param(c.id, marks=pytest.mark.vllm_release(c.release)) for c in DSPARK_CASES]
+)
+def test_a_dspark_sm12x_line_is_not_ready(reports, case_id):
+    """Red before issue 42: doctor said READY for the issue's line (0.34.0,
+    -tp 4, DSpark with 5 tokens), which the field reports crashing on long
+    prompts.  With the fixes on or off, the line is not READY, and the
+    warning names the report, the length and the ways out."""
+    report = reports[case_id]
+    assert report.json["verdict"] != "READY", report.text
+    (warning,) = [
+        f for f in report.findings if dspark_long_prompt.UPSTREAM_REPORT in f["message"]
+    ]
+    assert warning["level"] == "warn"
+    assert f"{dspark_long_prompt.REPORTED_PROMPT_TOKENS:,} tokens" in warning["message"]
+    assert "--speculative-config" in warning["advice"]
+    assert dspark_long_prompt.SHORT_PROMPTS_FLAG in warning["advice"]
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_dspark_short_prompt_advice_takes_the_warning_away(reports):
+    """The advice, applied to the line as printed, is accepted by vLLM's
+    parser (doctor's first finding) and leaves no vllm#56771 warning."""
+    report = reports["0.34.0 DSV4.1 DSpark short prompts"]
+    assert report.findings[0]["level"] == "ok"  # vLLM's parser accepts the line
+    (note,) = [f for f in report.findings if dspark_long_prompt.UPSTREAM_REPORT in f["message"]]
+    assert note["level"] == "info", note
+    assert report.json["verdict"] == "READY", report.text
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_no_dspark_finding_without_dspark(reports):
+    report = reports["0.34.0 DSV4.1 block 64"]
+    assert not any(dspark_long_prompt.UPSTREAM_REPORT in f["message"] for f in report.findings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import dspark_long_prompt
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     GAIN_TO_APPLY,
     INFO,
@@ -302,6 +303,7 @@ def prediction_findings(prediction: Any, fixed: bool = True) -> list[Any]:
             )
         )
     findings += _shape_findings(prediction)
+    findings += dspark_long_prompt.findings(prediction.engine)
     return findings
 
 

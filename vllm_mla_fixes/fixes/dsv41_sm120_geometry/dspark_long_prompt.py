@@ -1,0 +1,80 @@
+"""vllm#56771, which this package does not fix: DeepSeek-V4.1 with DSpark
+speculative decoding on SM120/SM121 crashes the engine on long prompts.
+
+Upstream:   vllm-project/vllm#56771 (open): DeepSeek-V4.1-Flash with
+            ``--speculative-config '{"method": "dspark", ...}'`` on 4x RTX PRO 6000
+            serves short prompts; a prompt of about 4k tokens or more (12k
+            reliably) ends in an illegal memory access in SM120 sparse-MLA
+            prefill.  No flag but DSpark off avoids it.  Candidate fix: vllm
+            PR #57388 (open, unmerged).
+Affected:   every release the geometry fix covers (0.32.0, 0.33.0, 0.34.0): the
+            code sites the PR changes are the same in the three.
+Hardware:   SM120, SM121 (FlashInfer's SM120 sparse-MLA prefill).
+
+What this package does about it
+    Nothing is changed in vLLM: which of the PR's defects vLLM's own DSpark
+    path reaches has not been reproduced on CPU yet, and a change without a
+    reproduced defect would be a change without a test.  What doctor says is
+    the part this package owns: a DSpark line on SM12x is not READY while it
+    admits prompts of the length the report crashes on, and doctor names the
+    report, the length and the ways out.
+
+Remove when
+    The oldest release the geometry fix covers carries vllm#57388 (or
+    another fix of #56771), or a fix in this package removes each defect.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig
+    from vllm_mla_fixes.report import Finding
+
+UPSTREAM_REPORT = "vllm#56771"
+CANDIDATE_FIX = "vllm PR #57388"
+REPORTED_PROMPT_TOKENS = 4096
+"""The prompt length from which the report says the engine crashes ("about
+4k tokens or more"); 12k tokens crash it reliably."""
+SHORT_MAX_MODEL_LEN = 3072
+"""The longest ``--max-model-len`` doctor calls short of the report's length:
+a quarter below it, since the report gives "about" 4k, not a bound."""
+DSPARK_OFF_ADVICE = "serve without --speculative-config (DSpark off)"
+SHORT_PROMPTS_FLAG = f"--max-model-len {SHORT_MAX_MODEL_LEN}"
+
+
+def findings(engine: EngineConfig) -> list[Finding]:
+    """Doctor's finding on vllm#56771 for a DeepSeek-V4.1 line judged as
+    served on SM12x; none where the line does not use DSpark."""
+    from vllm_mla_fixes.report import Finding
+
+    if engine.speculative_method != "dspark":
+        return []
+    longest = engine.max_model_len
+    if longest is not None and longest <= SHORT_MAX_MODEL_LEN:
+        return [
+            Finding(
+                "info",
+                INFO.name,
+                f"DSpark on SM12x: {UPSTREAM_REPORT} reports engine crashes on prompts of about "
+                f"{REPORTED_PROMPT_TOKENS:,} tokens or more; this line's --max-model-len "
+                f"{longest:,} keeps every prompt shorter (not checked on hardware by this "
+                "project)",
+            )
+        ]
+    admits = "no --max-model-len bound" if longest is None else f"prompts up to {longest:,} tokens"
+    return [
+        Finding(
+            "warn",
+            INFO.name,
+            f"DSpark on SM12x: {UPSTREAM_REPORT} (open) reports an illegal memory access in "
+            f"SM120 sparse-MLA prefill on prompts of about {REPORTED_PROMPT_TOKENS:,} tokens "
+            f"or more (12k reliably), on every release this fix covers; this line admits "
+            f"{admits}, and vllm-mla-fixes does not fix that crash ({CANDIDATE_FIX}, the "
+            "candidate upstream fix, is unmerged)",
+            f"{DSPARK_OFF_ADVICE}, or keep prompts short with {SHORT_PROMPTS_FLAG}",
+        )
+    ]
