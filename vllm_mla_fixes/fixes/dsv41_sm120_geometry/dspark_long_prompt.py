@@ -42,7 +42,7 @@ REPORTED_PROMPT_TOKENS = 4096
 SHORT_MAX_MODEL_LEN = 3072
 """The longest ``--max-model-len`` doctor calls short of the report's length:
 a quarter below it, since the report gives "about" 4k, not a bound."""
-DSPARK_OFF_ADVICE = "serve without --speculative-config (DSpark off)"
+DSPARK_OFF_ADVICE = "serve without --speculative-config"
 SHORT_PROMPTS_FLAG = f"--max-model-len {SHORT_MAX_MODEL_LEN}"
 
 
@@ -75,6 +75,7 @@ def findings(engine: EngineConfig) -> list[Finding]:
             f"or more (12k reliably), on every release this fix covers; this line admits "
             f"{admits}, and vllm-mla-fixes does not fix that crash ({CANDIDATE_FIX}, the "
             "candidate upstream fix, is unmerged)",
-            f"{DSPARK_OFF_ADVICE}, or keep prompts short with {SHORT_PROMPTS_FLAG}",
+            f"DSpark off: {DSPARK_OFF_ADVICE}; or prompts short of the reported length: "
+            f"{SHORT_PROMPTS_FLAG}",
         )
     ]
