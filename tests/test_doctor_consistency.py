@@ -103,7 +103,7 @@ CASES = [
     # vllm#56771: DSpark on SM12x, each tensor-parallel size on each release it is reported on
     *(
         Case(release, f"DSV4.1 DSpark tp {tp}", (*DSV41, "-tp", str(tp), *DSPARK_5))
-        for release in ("0.32.0", "0.33.0", "0.34.0")
+        for release in dspark_long_prompt.AFFECTED_RELEASES
         for tp in (1, 2, 4, 8)
     ),
     Case("0.32.0", "DSV4.1 DSpark tp 4, fixes off", (*DSV41, "-tp", "4", *DSPARK_5), FIXES_OFF),

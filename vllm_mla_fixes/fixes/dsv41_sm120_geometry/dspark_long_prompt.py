@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig
     from vllm_mla_fixes.report import Finding
 
+AFFECTED_RELEASES = INFO.covered_releases
+"""The releases doctor warns on: the code sites vllm PR #57388 changes are
+the same in every release the geometry fix covers."""
 UPSTREAM_REPORT = "vllm#56771"
 CANDIDATE_FIX = "vllm PR #57388"
 REPORTED_PROMPT_TOKENS = 4096
