@@ -2,27 +2,24 @@
 files, not their version strings (issue 37).
 
 Operators on SM12x rebuild FlashInfer and DeepGEMM from patched sources under
-the same version string.  Here DeepGEMM is "rebuilt": a copy of the DeepGEMM
-that vLLM 0.34.0 vendors, installed as a ``deep_gemm`` package (which vLLM
-imports before its vendored one), with its SM120 FP8 paged-MQA kernel's
-static assertion narrowed to 64-row pages.  The files are copied, never
-hard-linked, so the environment's own files stay as they are.
+the same version string.  Here DeepGEMM is installed as a ``deep_gemm``
+package (which vLLM imports before its vendored one): a copy of the DeepGEMM
+that vLLM 0.34.0 vendors, then "rebuilt" in place, its SM120 FP8 paged-MQA
+kernel's static assertion narrowed to 64-row pages in the same file at the
+same size (issue 46).  The files are copied, never hard-linked, so the
+environment's own files stay as they are.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.vllm_release("0.34.0")
 
-ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "include/deep_gemm/impls/sm120_fp8_paged_mqa_logits.cuh"
 
 
@@ -49,52 +46,64 @@ def decided_here() -> dict:
     }
 
 
-def _decided_in_a_new_process(site: Path, cache_dir: Path) -> dict:
-    env = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "",
-        "VLLM_MLA_FIXES_CACHE_DIR": str(cache_dir),
-        "PYTHONPATH": os.pathsep.join(
-            [str(site), str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
-        ),
-    }
-    code = "import json, test_dsv41_kernel_rebuild as t; print(json.dumps(t.decided_here()))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _read_afresh() -> None:
+    """Forget what this process read of the installed kernels, as the next
+    process starts without it."""
+    import importlib
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
+
+    importlib.invalidate_caches()
+    envelope.kernel_envelopes.cache_clear()
 
 
-def test_a_rebuilt_kernel_under_the_same_version_is_decided_from_its_own_files(
+# Same length: the 32-row page leaves the assertion, 64 stays (written twice).
+WIDE = b"PAGE_KV == 32 or "
+NARROW = b"PAGE_KV == 64 or "
+
+
+def test_a_kernel_rebuilt_in_place_under_the_same_version_is_decided_from_its_bytes(
     tmp_path, monkeypatch
 ):
+    """Issue 46: the rebuilt copy sat at a new path, so a key of paths and
+    versions changed too.  Here one installed DeepGEMM file is rewritten in
+    place: same path, same names, same versions, same size; only bytes
+    differ.  What is read afresh (as by the next process) decides anew, and
+    the truth table's cache key follows."""
     import vllm
 
     vendored = Path(vllm.__file__).parent / "third_party" / "deep_gemm"
     site = tmp_path / "site-packages"
-    rebuilt = site / "deep_gemm"
-    shutil.copytree(vendored, rebuilt, copy_function=shutil.copyfile)  # bytes, not links
-    kernel = rebuilt / KERNEL
-    text = kernel.read_text(encoding="utf-8")
-    narrowed = text.replace("PAGE_KV == 32 or ", "", 1)
-    assert narrowed != text, "the reviewed static assertion moved"
-    kernel.unlink()  # a new file: the copy's old inode keeps nothing of the original
-    kernel.write_text(narrowed, encoding="utf-8")
-
+    shutil.copytree(vendored, site / "deep_gemm", copy_function=shutil.copyfile)  # no links
+    kernel = site / "deep_gemm" / KERNEL
+    monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("VLLM_MLA_FIXES_CACHE_DIR", str(tmp_path / "cache"))
-    installed = decided_here()
-    after = _decided_in_a_new_process(site, tmp_path / "cache")
+    try:
+        _read_afresh()
+        installed = decided_here()
+        data = kernel.read_bytes()
+        assert data.count(WIDE) == 1, "the reviewed static assertion moved"
+        size, versions = len(data), (version("vllm"), version("flashinfer-python"))
+        with kernel.open("r+b") as f:  # in place: the same file, the same inode
+            f.seek(data.index(WIDE))
+            f.write(NARROW)
+        assert kernel.stat().st_size == size
+        _read_afresh()
+        after = decided_here()
+        assert (version("vllm"), version("flashinfer-python")) == versions
+    finally:
+        monkeypatch.undo()
+        _read_afresh()
 
     assert installed["rows"] == "32, 64"
     assert installed["decision"] == "upstream"  # 0.34.0's --block-size 64 works upstream
     assert after["rows"] == "64"
-    # the next process decides from the rebuilt file: upstream's 32-state
-    # ratio-2 indexer pages are now refused, so the fix lays out its split
+    # decided from the rewritten bytes: upstream's 32-state ratio-2 indexer
+    # pages are now refused, so the fix lays out its split
     assert after["decision"] == "interleaved-split", after
     assert {"cache": "indexer K, compress ratio 2", "rows": 32} in [
         {k: r[k] for k in ("cache", "rows")} for r in after["rejected"]
     ]
-    # the truth table's cache is keyed by the bytes read, not the versions
+    # the truth table's cache is keyed by the bytes read, not paths or versions
     assert after["key"] != installed["key"] and after["cache"] != installed["cache"]
-    assert vendored.joinpath(KERNEL).read_text(encoding="utf-8") == text  # untouched
+    assert vendored.joinpath(KERNEL).read_bytes() == data  # the environment's own, untouched

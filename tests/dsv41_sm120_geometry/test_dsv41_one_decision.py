@@ -243,49 +243,72 @@ def test_pipeline_ranks_decide_alike(pp_size, tp_size, dspark):
 # ------------------------------------------------------------------ revert
 
 
-def _patched_identities() -> dict[tuple[str, str], int]:
-    """Identity of every vLLM attribute the fix replaces."""
-    import importlib
+def _vllm_attributes() -> dict[tuple[str, str], int]:
+    """Identity of every attribute of every imported vLLM module and of
+    every class such a module defines: the fix's targets, and every module
+    that imported a patched function by name, without a list of them."""
+    import sys
+    from types import ModuleType
 
-    targets = {
-        (fix.ATTENTION_MODULE, "DeepseekV4Attention.get_kv_cache_spec"),
-        (fix.ATTENTION_MODULE, "DeepseekV4IndexerCache.get_kv_cache_spec"),
-        (fix.ATTENTION_MODULE, "DeepseekV4SWACache"),
-        (
-            fix.FLASHINFER_MODULE,
-            "DeepseekV4FlashInferMLASparseBackend.get_supported_kernel_block_sizes",
-        ),
-        (fix.INDEXER_MODULE, "DeepseekV41IndexerBackend.get_supported_kernel_block_sizes"),
-        (fix.WORKER_UTILS_MODULE, "bind_kv_cache_to_layers"),
-        (fix.WORKER_UTILS_MODULE, "map_kv_caches_to_kernel_blocks"),
-        (fix.WORKER_UTILS_MODULE, "copy_kv_cache_blocks_inplace"),
-        (fix.WORKER_UTILS_MODULE, "AttentionGroup._with_kernel_block_table"),
-        (fix.WORKER_UTILS_MODULE, "AttentionGroup.map_kv_cache_to_manager_blocks"),
-        (
-            "vllm.v1.attention.backends.mla.compressor_utils",
-            "CompressedSlotMappingKernel.get_warmup_keys",
-        ),
-    }
     found = {}
-    for module_name, qualname in targets:
-        owner = importlib.import_module(module_name)
-        *path, name = qualname.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        found[module_name, qualname] = id(
-            owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        )
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("vllm.") or not isinstance(module, ModuleType):
+            continue
+        for name, value in list(vars(module).items()):
+            found[module_name, name] = id(value)
+            if isinstance(value, type) and value.__module__ == module_name:
+                for attr, member in list(vars(value).items()):
+                    found[module_name, f"{value.__qualname__}.{attr}"] = id(member)
     return found
 
 
+def _fix_modules_imported() -> None:
+    """Every vLLM module the fix patches, imported before the first look."""
+    import importlib
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import info
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import SPEC_MERGE_SITES
+
+    for name in (
+        info.ATTENTION_MODULE,
+        info.FLASHINFER_MODULE,
+        info.INDEXER_MODULE,
+        info.WARMUP_MODULE,
+        info.WORKER_UTILS_MODULE,
+        *(module for module, _ in SPEC_MERGE_SITES),
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a spec-merge candidate this release does not have
+            pass
+
+
 def test_revert_restores_every_patched_attribute():
-    before = _patched_identities()
+    """Issue 46: the test checked a hand-written list that left out the
+    spec-merge site and the modules importing patched functions by name.
+    Here every attribute of every vLLM module (and of its classes) is
+    compared with what it was before ``apply``."""
+    _fix_modules_imported()
+    before = _vllm_attributes()
     with repro.applied((12, 0)) as result, repro.sm120_platform():
-        during = _patched_identities()
-        repro.allocate_and_bind(_geometry_bound(128))
         assert result.status.state.value == "applied"
-    assert {k for k in before if before[k] != during[k]} == set(before)  # each one was patched
-    assert _patched_identities() == before
+        during = _vllm_attributes()
+    after = _vllm_attributes()
+    patched = {k for k in before if during.get(k) != before[k]}
+    assert patched, "apply changed nothing"
+    changed = {k: "changed" for k in before if after.get(k) != before[k]}
+    assert changed == {}, sorted(changed)
+
+
+def test_revert_after_binding_restores_every_patched_attribute():
+    """The same after an engine's layers were planned, allocated and bound."""
+    _fix_modules_imported()
+    before = _vllm_attributes()
+    with repro.applied((12, 0)), repro.sm120_platform():
+        repro.allocate_and_bind(_geometry_bound(128))
+    after = _vllm_attributes()
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    assert changed == [], changed
 
 
 def _geometry_bound(block_size: int):
