@@ -14,6 +14,7 @@ lock file's contents, and is a no-op when it already is.
     nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
     nox -s flashinfer-jit-0.33.0   # FlashInfer's SM120 sparse-MLA JIT build, locked toolkit (CPU)
     nox -s release-check      # build, check and install the release artifacts (CPU)
+    nox -s injections-0.32.0  # every injected bug of issue 46 caught, on one release (CPU)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROOT = Path(__file__).parent
 # them from this checkout's package, whose fix records import only the standard
 # library and packaging (which nox itself requires), never vLLM.
 sys.path.insert(0, str(ROOT))
-from vllm_mla_fixes.fixes import COVERED_RELEASES, SELFTEST_RELEASES  # noqa: E402
+from vllm_mla_fixes.fixes import COVERED_RELEASES, FIXES_BY_NAME, SELFTEST_RELEASES  # noqa: E402
 
 LOCKS = ROOT / "envs"
 RELEASES = sorted(
@@ -138,6 +139,7 @@ def _newest_patch_of_each_minor(releases: tuple[str, ...]) -> tuple[str, ...]:
 # the patch releases of one minor carry the same code of every reviewed
 # definition (their REVIEWED fingerprints agree).
 VERIFY_RELEASES = _newest_patch_of_each_minor(COVERED_RELEASES)
+DSV41_RELEASES = FIXES_BY_NAME["dsv41-sm120-geometry"].INFO.covered_releases
 
 
 @nox.session(python="3.11", default=False)
@@ -189,6 +191,35 @@ def _release_session(release: str):
 
     session_func.__doc__ = f"Install vLLM {release} as pinned, then run the tests that declare it."
     return nox.session(python="3.11", name=f"vllm-{release}")(session_func)
+
+
+# Issue 46: every bug tests/<fix>/injections.py names, injected in turn, its
+# catching tests run under it.  The default run of a fix's newest release runs
+# it (tests/dsv41_sm120_geometry/test_bug_injections.py); these sessions run it
+# on any covered release (the CI budget holds one), printing the table.
+INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
+
+
+def _injections_session(release: str):
+    def session_func(session: nox.Session) -> None:
+        _install(session, release)
+        session.run(
+            "pytest",
+            "--vllm-release",
+            release,
+            "-n",
+            "0",
+            "tests/dsv41_sm120_geometry/test_bug_injections.py",
+            *session.posargs,
+            env={**CPU_TEST_ENV, INJECTIONS_ENV: "1"},
+        )
+
+    session_func.__doc__ = (
+        f"Inject each bug of tests/<fix>/injections.py on vLLM {release}; fail where one survives."
+    )
+    return nox.session(
+        python="3.11", name=f"injections-{release}", tags=["injections"], default=False
+    )(session_func)
 
 
 def _release_environment(session: nox.Session, release: str) -> Path:
@@ -570,6 +601,8 @@ for _release in RELEASES:
     _release_session(_release)
 for _release in VERIFY_RELEASES:
     _verify_session(_release)
+for _release in DSV41_RELEASES:
+    _injections_session(_release)
 for _release in RELEASES:
     _gpu_session(_release)
 for _release in SELFTEST_RELEASES:

@@ -97,7 +97,9 @@ def _nixl(config: Any) -> None:
     from vllm.config import KVTransferConfig
 
     object.__setattr__(
-        config, "kv_transfer_config", KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+        config,
+        "kv_transfer_config",
+        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"),
     )
 
 
@@ -337,7 +339,15 @@ def test_doctor_decides_what_the_engine_decides_one_field_from_flash(case, monke
     were compared with themselves.  One config.json per field that differs
     from Flash; doctor's decision, report and shapes against the engine's."""
     model = {**FLASH, **ONE_FIELD.get(case, {})}
-    line = ["vllm", "serve", "/models/checkpoint", "--block-size", "128", "--tensor-parallel-size", "2"]
+    line = [
+        "vllm",
+        "serve",
+        "/models/checkpoint",
+        "--block-size",
+        "128",
+        "--tensor-parallel-size",
+        "2",
+    ]
     line += ["--max-model-len", "16384", *LINES[case]]
     predicted = prediction.predict(line, {"text_config": model})
     engine, decision = _engine_from_vllms_args(line, model, 16384)
