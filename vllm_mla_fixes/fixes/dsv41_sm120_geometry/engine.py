@@ -271,7 +271,9 @@ def pipeline_size(vllm_config: Any) -> int:
     vLLM sets to one stage (``_get_dspark_parallel_config`` in
     ``v1/worker/gpu/spec_decode/dspark/utils.py``, 0.34.0); in a worker the
     pipeline group vLLM initialised still says how many stages the engine has."""
-    configured = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+    configured = int(
+        getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1
+    )
     if configured > 1:
         return configured
     try:
