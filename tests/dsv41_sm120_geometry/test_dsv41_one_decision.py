@@ -173,71 +173,149 @@ def test_the_decision_is_the_same_function_everywhere():
 # --------------------------------------------------------------- pipeline
 
 
-def _rank_layers(model: dict, pp_size: int, rank: int) -> tuple[int, int]:
-    """The backbone layers vLLM's own partition gives ``rank``."""
-    from vllm.distributed.utils import get_pp_indices
+def _fresh_decisions() -> None:
+    """Forget every kept decision, as a process that has decided nothing yet
+    (the rest of the fix's state -- its backends -- stays applied)."""
+    fix.STATE.decisions.clear()
+    fix.STATE.spec_mismatches.clear()
 
-    return get_pp_indices(model["num_hidden_layers"], rank, pp_size)
 
-
-def _rank_specs(
-    block_size: int, pp_size: int, rank: int, tp_size: int, dspark: bool
-) -> tuple[object, fix.Decision, dict]:
-    """One pipeline rank of a TP x PP engine: its own layers (the drafter's on
-    the last rank), its decision and its specs, through vLLM's spec collection."""
+def _engine_config(block_size: int, pp_size: int, tp_size: int, dspark: bool, rank: int = 0):
+    """The engine config of global ``rank`` of a TP x PP serve line, as vLLM's
+    worker has it: ``ParallelConfig.rank`` = pp_rank * tp_size + tp_rank."""
     from vllm.config import ParallelConfig
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size, rank=rank
+    )
+    config = repro.make_vllm_config(
+        block_size, None, repro.EngineSettings(sections={"parallel_config": parallel})
+    )
+    if dspark:
+        object.__setattr__(config, "speculative_config", _dspark())
+    repro.attach_model(config, repro.DSV41_FLASH, (0, 0, 0) if dspark else ())
+    return config
+
+
+def _rank(block_size: int, pp_size: int, pp_rank: int, tp_size: int, dspark: bool):
+    """One pipeline rank deciding in a fresh state: its rank in
+    ``parallel_config`` (its stage's last TP rank), its backbone layers from
+    vLLM's own partition, the drafter's only on the last stage -- vLLM 0.34.0
+    builds the speculator only where ``is_last_pp_rank``
+    (vllm/v1/worker/gpu/model_runner.py:312) and loads the drafter's layers
+    through it (model_runner.py:432) -- and its specs through vLLM's spec
+    collection.  Returns (decision, specs)."""
+    from vllm.distributed.utils import get_pp_indices
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
 
     model = repro.DSV41_FLASH
-    start, end = _rank_layers(model, pp_size, rank)
-    drafters = (0, 0, 0) if dspark else ()
-    settings = repro.EngineSettings(
-        sections={
-            "parallel_config": ParallelConfig(
-                tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
-            )
-        }
-    )
-    config = repro.make_vllm_config(block_size, None, settings)
+    backbone = model["num_hidden_layers"]
+    rank = pp_rank * tp_size + tp_size - 1
+    config = _engine_config(block_size, pp_size, tp_size, dspark, rank)
+    assert config.parallel_config.rank == rank
+    _fresh_decisions()
+    layers = list(range(*get_pp_indices(backbone, pp_rank, pp_size)))
+    if dspark and pp_rank == pp_size - 1:
+        layers += range(backbone, backbone + 3)
+    repro.build_layers(config, model, (0, 0, 0) if dspark else (), only=layers)
+    return fix.STATE.decision_for(config), get_kv_cache_spec(config)
+
+
+def _pipeline_engine(block_size: int, pp_size: int, tp_size: int, dspark: bool) -> None:
+    """Every rank decides alone; afterwards their answers are compared with
+    each other and with the engine core's (global rank 0, its own fresh
+    state), and the engine core's agreement check runs over their specs."""
+    ranks = [_rank(block_size, pp_size, r, tp_size, dspark) for r in range(pp_size)]
+    decisions = [decision for decision, _ in ranks]
+    assert len(set(decisions)) == 1, [
+        (d.geometry.value, d.drafter_swa_rows, d.fix_tokens) for d in decisions
+    ]
+    _fresh_decisions()
+    core = _engine_config(block_size, pp_size, tp_size, dspark)
+    fix.check_workers_agree(core, [specs for _, specs in ranks])  # the engine core's check
+    core_decision = fix.STATE.decision_for(core)
+    assert decisions[0] == core_decision
+    rows = {
+        spec.block_size
+        for _, specs in ranks
+        for name, spec in specs.items()
+        if name.endswith("swa_cache")
+    }
+    expected = {core_decision.backbone_swa_rows}
     if dspark:
-        object.__setattr__(config, "speculative_config", _dspark())
-    repro.attach_model(config, model, drafters)
-    layers = range(start, end)
-    if dspark and rank == pp_size - 1:
-        layers = [*layers, *range(model["num_hidden_layers"], model["num_hidden_layers"] + 3)]
-    repro.build_layers(config, model, drafters, only=layers)
-    return config, fix.STATE.decision_for(config), get_kv_cache_spec(config)
+        expected.add(core_decision.drafter_swa_rows)
+    assert rows == expected
 
 
-@pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
-@pytest.mark.parametrize("pp_size", [2, 4])
-@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
+PIPELINES = [(2, 1, True), (2, 8, False), (4, 2, True), (4, 1, False)]
+
+
+@pytest.mark.parametrize(
+    ("pp_size", "tp_size", "dspark"),
+    PIPELINES,
+    ids=[f"pp{p}-tp{t}-{'dspark' if d else 'plain'}" for p, t, d in PIPELINES],
+)
 def test_pipeline_ranks_decide_alike(pp_size, tp_size, dspark):
     """Every rank of a --pipeline-parallel-size engine, each holding only its
-    own layers (DSpark's drafter on the last), decides the same geometry and
-    page rows, and the engine core's agreement check passes over their specs."""
-    for block_size in (64, 128):
-        decisions, specs, configs = [], [], []
-        with repro.applied((12, 0)), repro.sm120_platform():
-            for rank in range(pp_size):
-                config, decision, rank_specs = _rank_specs(
-                    block_size, pp_size, rank, tp_size, dspark
-                )
-                configs.append(config)
-                decisions.append(decision)
-                specs.append(rank_specs)
-            fix.check_workers_agree(configs[0], specs)  # the engine core's check
-        assert len(set(decisions)) == 1, [d.reason for d in decisions]
-        rows = {
-            spec.block_size
-            for rank_specs in specs
-            for name, spec in rank_specs.items()
-            if name.endswith("swa_cache")
-        }
-        expected = {decisions[0].backbone_swa_rows}
-        if dspark:
-            expected.add(decisions[0].drafter_swa_rows)
-        assert rows == expected
+    own layers (DSpark's drafter on the last) and deciding in its own fresh
+    state, decides what the others and the engine core decide, and the
+    engine core's agreement check passes over their specs."""
+    with repro.applied((12, 0)), repro.sm120_platform():
+        for block_size in (64, 128):
+            _pipeline_engine(block_size, pp_size, tp_size, dspark)
+
+
+def test_pipeline_test_catches_rank_dependent_planning(monkeypatch):
+    """The injected bug: the decision planned on the layers a pipeline rank
+    holds (its rank read from ``parallel_config.rank``, as vLLM's worker sets
+    it), so stages without DSpark's drafter plan without its layers (its
+    rows, the 2% rule's figures).  The pipeline test's comparison must go red."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import fix_state
+
+    honest = fix_state.decide_for
+
+    def planned_on_this_rank(engine, vllm_config):
+        parallel = vllm_config.parallel_config
+        stage = parallel.rank // parallel.tensor_parallel_size
+        if stage != parallel.pipeline_parallel_size - 1 and engine.model is not None:
+            engine = dataclasses.replace(
+                engine, model=dataclasses.replace(engine.model, drafter_layers=0)
+            )
+        return honest(engine, vllm_config)
+
+    monkeypatch.setattr(fix_state, "decide_for", planned_on_this_rank)
+    with repro.applied((12, 0)), repro.sm120_platform(), pytest.raises(AssertionError) as caught:
+        _pipeline_engine(128, 2, 2, True)
+    assert "assert 2 == 1" in str(caught.value), caught.value  # the ranks' answers differ
+
+
+def test_engines_differing_only_in_parallel_layout_each_get_a_fresh_decision():
+    """Engines that differ only in PP / TP / DP, one after another in one
+    process, each get exactly the decision a fresh state gives them.  PP
+    changes the capacity figures (vLLM reserves sliding-window blocks for
+    every in-flight batch); TP and DP change none."""
+    layouts = [(1, 1, 1), (2, 1, 1), (4, 2, 1), (1, 8, 1), (1, 1, 2)]
+
+    def config(pp, tp, dp):
+        from vllm.config import ParallelConfig
+
+        parallel = ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
+        )
+        engine = repro.make_vllm_config(
+            64, None, repro.EngineSettings(sections={"parallel_config": parallel})
+        )
+        object.__setattr__(engine, "speculative_config", _dspark())
+        repro.attach_model(engine, repro.DSV41_FLASH, (0, 0, 0))
+        return engine
+
+    with repro.applied((12, 0)), repro.sm120_platform():
+        kept = {layout: fix.STATE.decision_for(config(*layout)) for layout in layouts}
+        for layout in layouts:
+            _fresh_decisions()
+            assert kept[layout] == fix.STATE.decision_for(config(*layout)), layout
+    assert kept[1, 1, 1].fix_tokens != kept[2, 1, 1].fix_tokens  # PP is a figure's input
+    assert kept[1, 1, 1] == kept[1, 8, 1] == kept[1, 1, 2]  # TP and DP are none's
 
 
 # ------------------------------------------------------------------ revert

@@ -127,6 +127,14 @@ class EngineConfig:
     kv_connector: str | None
     decode_context_parallel: int
     prefill_context_parallel: int
+    # The planner's sliding-window reserve reads vLLM's ``max_in_flight_tokens``
+    # (pipeline stages, +1 with async scheduling, times --max-num-batched-tokens):
+    # the capacity figures, so the gain rule and the drafter rows, depend on it.
+    # Tensor and data parallel sizes are read by no figure (the spec producers
+    # take no head count, the planner reads TP only after capacity), and a
+    # DSpark drafter's copy of the config has its own TP: they stay out.
+    pipeline_parallel: int
+    in_flight_tokens: int | None
     hisparse: bool
     indexer_sparse_logits: bool
     indexer_fp4: bool
@@ -257,6 +265,50 @@ def _speculative_tokens(vllm_config: Any) -> int:
         return 0
 
 
+def pipeline_size(vllm_config: Any) -> int:
+    """Pipeline stages of the engine ``vllm_config`` belongs to.  DSpark's
+    drafter is built under a copy of the engine config whose parallel config
+    vLLM sets to one stage (``_get_dspark_parallel_config`` in
+    ``v1/worker/gpu/spec_decode/dspark/utils.py``, 0.34.0); in a worker the
+    pipeline group vLLM initialised still says how many stages the engine has."""
+    configured = int(
+        getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1
+    )
+    if configured > 1:
+        return configured
+    try:
+        from vllm.distributed import parallel_state
+
+        group = parallel_state._PP
+    except Exception:  # noqa: BLE001 - no distributed state to ask: the configured size
+        return configured
+    return int(getattr(group, "world_size", configured) or configured)
+
+
+def with_pipeline_size(vllm_config: Any, stages: int) -> Any:
+    """A shallow copy of ``vllm_config`` whose parallel config (itself a
+    copy) has ``stages`` pipeline stages; ``vllm_config`` where it has them."""
+    import copy
+
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None or getattr(parallel, "pipeline_parallel_size", 1) == stages:
+        return vllm_config
+    parallel = copy.copy(parallel)
+    object.__setattr__(parallel, "pipeline_parallel_size", stages)
+    config = copy.copy(vllm_config)
+    object.__setattr__(config, "parallel_config", parallel)
+    return config
+
+
+def _in_flight_tokens(vllm_config: Any, stages: int) -> int | None:
+    """vLLM's own ``max_in_flight_tokens`` for the engine's pipeline stages
+    (None where the config cannot say)."""
+    try:
+        return int(with_pipeline_size(vllm_config, stages).max_in_flight_tokens)
+    except Exception:  # noqa: BLE001 - a config vLLM cannot read: unset
+        return None
+
+
 def engine_config(vllm_config: Any) -> EngineConfig:
     """The record of ``vllm_config``; any part vLLM cannot give counts as unset."""
     cache = getattr(vllm_config, "cache_config", None)
@@ -269,6 +321,7 @@ def engine_config(vllm_config: Any) -> EngineConfig:
     given = getattr(cache, "user_specified_block_size", True)
     max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
     forced = settings.value(DSV41_GEOMETRY)
+    stages = pipeline_size(vllm_config)
     return EngineConfig(
         model=model,
         model_problem=problem,
@@ -280,6 +333,8 @@ def engine_config(vllm_config: Any) -> EngineConfig:
         kv_connector=kv_connector_name(vllm_config),
         decode_context_parallel=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
         prefill_context_parallel=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        pipeline_parallel=stages,
+        in_flight_tokens=_in_flight_tokens(vllm_config, stages),
         hisparse=getattr(attention, "hisparse_config", None) is not None,
         indexer_sparse_logits=bool(getattr(attention, "indexer_sparse_logits", False)),
         indexer_fp4=_indexer_fp4(vllm_config),

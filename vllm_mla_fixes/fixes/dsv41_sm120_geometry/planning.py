@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import model_specs
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, with_pipeline_size
 
 PLANNED_MEMORY = 1 << 30  # compared per GiB, as the capacity benchmark reports it
 
@@ -42,7 +42,8 @@ def _planning_config(
         resolve_kv_cache_layout,
     )
 
-    config = copy.copy(vllm_config)
+    # the engine's pipeline stages, also on a DSpark drafter's one-stage copy
+    config = copy.copy(with_pipeline_size(vllm_config, engine.pipeline_parallel))
     cache_config = copy.copy(vllm_config.cache_config)
     cache_config.num_gpu_blocks_override = None
     object.__setattr__(config, "cache_config", cache_config)
