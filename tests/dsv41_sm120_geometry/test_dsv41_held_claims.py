@@ -114,18 +114,28 @@ class Variant:
     capability: tuple[tuple[int, int], tuple[int, int]] = ((12, 0), (12, 0))
 
 
+def _ngram(tokens: int) -> Callable[[], Any]:
+    return _with(_set("speculative_config", _spec("ngram", tokens)))
+
+
 _PLAIN = _config
+_BLOCK_64 = functools.partial(_config, 64)
+_SM100 = ((10, 0), (10, 0))
 KEY_VARIANTS: dict[str, Variant] = {
     "model": Variant(_PLAIN, functools.partial(_config, model=repro.DSV41_FLASH)),
     "model_problem": Variant(
         functools.partial(_config, model=_without("head_dim")),
         functools.partial(_config, model=_without("sliding_window")),
     ),
-    "block_size": Variant(_PLAIN, functools.partial(_config, 64)),
-    "cache_dtype": Variant(_PLAIN, _with(_set("cache_config.cache_dtype", "bfloat16"))),
+    "block_size": Variant(_PLAIN, _BLOCK_64),
+    # a record vLLM takes on SM12x's packed layout besides fp8 (-> fp8_ds_mla)
+    "cache_dtype": Variant(_PLAIN, _with(_set("cache_config.cache_dtype", "nvfp4_ds_mla"))),
     "max_model_len": Variant(_PLAIN, _with(_set("model_config.max_model_len", 65536))),
-    "speculative_method": Variant(_PLAIN, _with(_set("speculative_config", _spec("ngram", 3)))),
-    "speculative_tokens": Variant(_dspark(1), _dspark(7)),
+    # both draft this many tokens: the method alone differs
+    "speculative_method": Variant(_ngram(3), _with(_set("speculative_config", _spec("eagle", 3)))),
+    # the compressor's state ring: 8 rows for 1 token, 64 for 31 (1 and 15 tokens,
+    # 8 and 32 rows, decide alike on the tiny model)
+    "speculative_tokens": Variant(_ngram(1), _ngram(31)),
     "kv_connector": Variant(_PLAIN, _with(_nixl)),
     "decode_context_parallel": Variant(
         _PLAIN, _with(_set("parallel_config.decode_context_parallel_size", 2))
@@ -133,11 +143,21 @@ KEY_VARIANTS: dict[str, Variant] = {
     "prefill_context_parallel": Variant(
         _PLAIN, _with(_set("parallel_config.prefill_context_parallel_size", 2))
     ),
-    "hisparse": Variant(_PLAIN, _with(_set("attention_config.hisparse_config", object()))),
-    "indexer_sparse_logits": Variant(
-        _PLAIN, _with(_set("attention_config.indexer_sparse_logits", True))
+    # max_in_flight_tokens = (stages, +1 with async scheduling) x batched tokens
+    "pipeline_parallel": Variant(_PLAIN, _with(_set("parallel_config.pipeline_parallel_size", 2))),
+    "in_flight_tokens": Variant(
+        _PLAIN, _with(_set("scheduler_config.max_num_batched_tokens", 16384))
     ),
-    "indexer_fp4": Variant(_PLAIN, _with(_set("attention_config.indexer_kv_dtype", "fp4"))),
+    "hisparse": Variant(_PLAIN, _with(_set("attention_config.hisparse_config", object()))),
+    # the indexer's block-stride alignment: at 128-token blocks the stride is
+    # already a multiple of it, at 64 it is not
+    "indexer_sparse_logits": Variant(
+        _BLOCK_64, _with(_set("attention_config.indexer_sparse_logits", True), block_size=64)
+    ),
+    # vLLM refuses the MXFP4 indexer below SM100 (dsa_indexer_uses_fp4): both on SM100
+    "indexer_fp4": Variant(
+        _PLAIN, _with(_set("attention_config.indexer_kv_dtype", "mxfp4")), capability=_SM100
+    ),
     "hybrid_manager_disabled": Variant(
         _PLAIN, _with(_set("scheduler_config.disable_hybrid_kv_cache_manager", True))
     ),
@@ -150,8 +170,11 @@ KEY_VARIANTS: dict[str, Variant] = {
 }
 # Fields that follow from another field for every config vLLM can build:
 # their variant changes that field too (mxfp8_record is vLLM's rule on the
-# capability: SM100's family).
-DERIVED = {"mxfp8_record": "capability"}
+# capability: SM100's family).  The planner reads the pipeline's stages only
+# through max_in_flight_tokens, so stages changed at equal in-flight tokens
+# decide alike (test_pipeline_stages_reach_the_decision_through_in_flight_tokens):
+# the pipeline variant changes the in-flight tokens with the stages.
+DERIVED = {"mxfp8_record": "capability", "pipeline_parallel": "in_flight_tokens"}
 
 
 def test_every_field_of_the_key_has_a_variant():
@@ -169,31 +192,56 @@ def _read(build: Callable[[], Any], capability: tuple[int, int]) -> tuple[Any, A
 def test_engines_differing_in_one_key_field_each_get_their_own_decision(field, monkeypatch):
     """Issue 46: the key leaving out a field gave the second engine the
     first one's decision.  Here the second engine's kept decision is what
-    deciding it afresh gives, and differs from the first's."""
+    deciding it afresh gives, and differs from the first's.  Settings are
+    read from the environment at each read (``settings.value``), so each
+    engine is read and decided while its own settings are in force."""
     variant = KEY_VARIANTS[field]
     for name in variant.env:
         monkeypatch.delenv(name, raising=False)
-    first, first_key = _read(variant.first, variant.capability[0])
-    for name, value in variant.env.items():
-        monkeypatch.setenv(name, value)
-    second, second_key = _read(variant.second, variant.capability[1])
+    STATE.clear()
+    try:
+        first, first_key = _read(variant.first, variant.capability[0])
+        with repro.sm120_platform(variant.capability[0]):
+            kept_first = STATE.decision_for(first)
+        for name, value in variant.env.items():
+            monkeypatch.setenv(name, value)
+        second, second_key = _read(variant.second, variant.capability[1])
+        with repro.sm120_platform(variant.capability[1]):
+            kept_second = STATE.decision_for(second)
+        STATE.clear()
+        with repro.sm120_platform(variant.capability[1]):
+            fresh_second = fix.decide(second)
+    finally:
+        STATE.clear()
     differing = {
         f.name
         for f in dataclasses.fields(fix.EngineConfig)
         if getattr(first_key, f.name) != getattr(second_key, f.name)
     }
     assert differing == {field, *([DERIVED[field]] if field in DERIVED else ())}, differing
-    STATE.clear()
-    try:
-        with repro.sm120_platform(variant.capability[0]):
-            kept_first = STATE.decision_for(first)
-        with repro.sm120_platform(variant.capability[1]):
-            kept_second = STATE.decision_for(second)
-            fresh_second = fix.decide(second)
-    finally:
-        STATE.clear()
     assert kept_second == fresh_second, (field, kept_second.reason, fresh_second.reason)
     assert kept_second != kept_first, f"{field}: the two engines decide alike; pick another pair"
+
+
+def _batched(tokens: int, stages: int = 1) -> Callable[[Any], None]:
+    def change(config: Any) -> None:
+        object.__setattr__(config.parallel_config, "pipeline_parallel_size", stages)
+        object.__setattr__(config.scheduler_config, "max_num_batched_tokens", tokens)
+
+    return change
+
+
+def test_pipeline_stages_reach_the_decision_through_in_flight_tokens():
+    """Why the pipeline variant changes the in-flight tokens too: one stage
+    at 3000 batched tokens and two at 2000 (async scheduling: 2 x 3000 = 3 x
+    2000 in flight) differ in the stages only, and decide alike."""
+    STATE.clear()
+    one, one_key = _read(_with(_batched(3000)), (12, 0))
+    two, two_key = _read(_with(_batched(2000, 2)), (12, 0))
+    assert (one_key.pipeline_parallel, two_key.pipeline_parallel) == (1, 2)
+    assert one_key.in_flight_tokens == two_key.in_flight_tokens
+    with repro.sm120_platform():
+        assert fix.decide(one) == fix.decide(two)
 
 
 # ----------------------------------------------- what the engine reads of vLLM
@@ -298,6 +346,25 @@ def _section(cls: type, args: Any) -> Any:
     return cls(**given)
 
 
+def _drafters(line: list[str], model: dict) -> tuple[int, ...]:
+    """DSpark's drafter layers on ``line`` (each with compress ratio 0), as
+    many as the model's config names; none without DSpark."""
+    if not any('"dspark"' in arg for arg in line):
+        return ()
+    return (0,) * int(model.get("n_mtp_layers") or engine_module.DEFAULT_DSPARK_LAYERS)
+
+
+def _config_json(line: list[str], model: dict) -> dict:
+    """The ``config.json`` the engine of ``line`` reads: a DSpark checkpoint
+    lists its drafter layers past the backbone, as the engine's planned
+    model config has them (``repro.attach_model``)."""
+    drafters = _drafters(line, model)
+    if not drafters:
+        return model
+    ratios = [*model["compress_ratios"], *drafters]
+    return {**model, "compress_ratios": ratios, "n_mtp_layers": len(drafters)}
+
+
 def _engine_from_vllms_args(line: list[str], model: dict, max_model_len: int):
     """The engine's decision for ``line``: the settings from vLLM's parsed
     arguments through vLLM's config classes, the layers planned by vLLM."""
@@ -316,7 +383,7 @@ def _engine_from_vllms_args(line: list[str], model: dict, max_model_len: int):
     if args.speculative_config:
         written = args.speculative_config
         speculative = _spec(written["method"], int(written["num_speculative_tokens"]))
-        drafters = (0,) * int(model.get("n_mtp_layers") or engine_module.DEFAULT_DSPARK_LAYERS)
+        drafters = _drafters(line, model)
     with repro.applied((12, 0)), repro.sm120_platform():
         block_size = args.block_size or upstream.picked_block_size(
             upstream.declared_kernel_blocks()
@@ -349,10 +416,15 @@ def test_doctor_decides_what_the_engine_decides_one_field_from_flash(case, monke
         "2",
     ]
     line += ["--max-model-len", "16384", *LINES[case]]
-    predicted = prediction.predict(line, {"text_config": model})
+    predicted = prediction.predict(line, {"text_config": _config_json(line, model)})
     engine, decision = _engine_from_vllms_args(line, model, 16384)
     assert predicted.model_figures == "from config.json"
-    assert predicted.engine == engine, case
+    differing = {
+        f.name: (getattr(predicted.engine, f.name), getattr(engine, f.name))
+        for f in dataclasses.fields(engine)
+        if getattr(predicted.engine, f.name) != getattr(engine, f.name)
+    }
+    assert differing == {}, (case, differing)
     assert predicted.decision == decision, (case, predicted.decision.reason, decision.reason)
     assert predicted.report() == fix.engine_report(engine, decision)
     heads = {s.heads for s in predicted.shapes}
