@@ -119,7 +119,6 @@ def _ngram(tokens: int) -> Callable[[], Any]:
 
 
 _PLAIN = _config
-_BLOCK_64 = functools.partial(_config, 64)
 _SM100 = ((10, 0), (10, 0))
 KEY_VARIANTS: dict[str, Variant] = {
     "model": Variant(_PLAIN, functools.partial(_config, model=repro.DSV41_FLASH)),
@@ -127,7 +126,7 @@ KEY_VARIANTS: dict[str, Variant] = {
         functools.partial(_config, model=_without("head_dim")),
         functools.partial(_config, model=_without("sliding_window")),
     ),
-    "block_size": Variant(_PLAIN, _BLOCK_64),
+    "block_size": Variant(_PLAIN, functools.partial(_config, 64)),
     # a record vLLM takes on SM12x's packed layout besides fp8 (-> fp8_ds_mla)
     "cache_dtype": Variant(_PLAIN, _with(_set("cache_config.cache_dtype", "nvfp4_ds_mla"))),
     "max_model_len": Variant(_PLAIN, _with(_set("model_config.max_model_len", 65536))),
@@ -149,10 +148,9 @@ KEY_VARIANTS: dict[str, Variant] = {
         _PLAIN, _with(_set("scheduler_config.max_num_batched_tokens", 16384))
     ),
     "hisparse": Variant(_PLAIN, _with(_set("attention_config.hisparse_config", object()))),
-    # the indexer's block-stride alignment: at 128-token blocks the stride is
-    # already a multiple of it, at 64 it is not
+    # the indexer's block-stride alignment, on SM100 (0.33.0 on: lcm(256, 1))
     "indexer_sparse_logits": Variant(
-        _BLOCK_64, _with(_set("attention_config.indexer_sparse_logits", True), block_size=64)
+        _PLAIN, _with(_set("attention_config.indexer_sparse_logits", True)), capability=_SM100
     ),
     # vLLM refuses the MXFP4 indexer below SM100 (dsa_indexer_uses_fp4): both on SM100
     "indexer_fp4": Variant(
@@ -177,6 +175,30 @@ KEY_VARIANTS: dict[str, Variant] = {
 DERIVED = {"mxfp8_record": "capability", "pipeline_parallel": "in_flight_tokens"}
 
 
+# Fields no two engines vLLM builds on these releases decide apart by: PEP 440
+# specifier -> why.  The key keeps them (a later release may read them).
+UNSHOWN = {
+    "indexer_sparse_logits": (
+        "<0.33.0",
+        "0.32.0 aligns the indexer's block stride to lcm(512, page alignment): on SM100 "
+        "512, which every 512-B-aligned page already meets, so no figure can change; on "
+        "SM12x lcm(512, 576) = 4608, which changed no figure in any pair tried (blocks "
+        "32 to 256, the tiny and the Flash model)",
+    ),
+}
+
+
+def unshown(field: str) -> str | None:
+    """Why ``field`` cannot be shown to part two engines on the installed vLLM."""
+    import vllm
+    from packaging.specifiers import SpecifierSet
+
+    found = UNSHOWN.get(field)
+    if found is None or str(vllm.__version__) not in SpecifierSet(found[0]):
+        return None
+    return found[1]
+
+
 def test_every_field_of_the_key_has_a_variant():
     """A field added to EngineConfig needs two engines that differ in it."""
     assert set(KEY_VARIANTS) == {f.name for f in dataclasses.fields(fix.EngineConfig)}
@@ -195,6 +217,9 @@ def test_engines_differing_in_one_key_field_each_get_their_own_decision(field, m
     deciding it afresh gives, and differs from the first's.  Settings are
     read from the environment at each read (``settings.value``), so each
     engine is read and decided while its own settings are in force."""
+    why = unshown(field)
+    if why is not None:
+        pytest.skip(why)
     variant = KEY_VARIANTS[field]
     for name in variant.env:
         monkeypatch.delenv(name, raising=False)
