@@ -35,7 +35,7 @@ ROOT = Path(__file__).parent
 # them from this checkout's package, whose fix records import only the standard
 # library and packaging (which nox itself requires), never vLLM.
 sys.path.insert(0, str(ROOT))
-from vllm_mla_fixes.fixes import COVERED_RELEASES, FIXES_BY_NAME, SELFTEST_RELEASES  # noqa: E402
+from vllm_mla_fixes.fixes import ALL_FIXES, COVERED_RELEASES, SELFTEST_RELEASES  # noqa: E402
 
 LOCKS = ROOT / "envs"
 RELEASES = sorted(
@@ -139,7 +139,15 @@ def _newest_patch_of_each_minor(releases: tuple[str, ...]) -> tuple[str, ...]:
 # the patch releases of one minor carry the same code of every reviewed
 # definition (their REVIEWED fingerprints agree).
 VERIFY_RELEASES = _newest_patch_of_each_minor(COVERED_RELEASES)
-DSV41_RELEASES = FIXES_BY_NAME["dsv41-sm120-geometry"].INFO.covered_releases
+# A fix's injected bugs live beside its tests (tests/<fix module>/injections.py).
+INJECTION_SUITES = {
+    suite: fix.INFO.covered_releases
+    for fix in ALL_FIXES
+    if (
+        suite := ROOT / "tests" / fix.__name__.rsplit(".", 1)[-1] / "test_bug_injections.py"
+    ).exists()
+}
+INJECTION_RELEASES = sorted({r for rs in INJECTION_SUITES.values() for r in rs}, key=Version)
 
 
 @nox.session(python="3.11", default=False)
@@ -195,8 +203,8 @@ def _release_session(release: str):
 
 # Issue 46: every bug tests/<fix>/injections.py names, injected in turn, its
 # catching tests run under it.  The default run of a fix's newest release runs
-# it (tests/dsv41_sm120_geometry/test_bug_injections.py); these sessions run it
-# on any covered release (the CI budget holds one), printing the table.
+# it (tests/<fix>/test_bug_injections.py); these sessions run every suite that
+# covers the release (the CI budget holds one release), printing the table.
 INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
 
 
@@ -209,7 +217,7 @@ def _injections_session(release: str):
             release,
             "-n",
             "0",
-            "tests/dsv41_sm120_geometry/test_bug_injections.py",
+            *(str(suite) for suite, covered in INJECTION_SUITES.items() if release in covered),
             *session.posargs,
             env={**CPU_TEST_ENV, INJECTIONS_ENV: "1"},
         )
@@ -601,7 +609,7 @@ for _release in RELEASES:
     _release_session(_release)
 for _release in VERIFY_RELEASES:
     _verify_session(_release)
-for _release in DSV41_RELEASES:
+for _release in INJECTION_RELEASES:
     _injections_session(_release)
 for _release in RELEASES:
     _gpu_session(_release)
