@@ -544,9 +544,7 @@ def test_a_dspark_sm12x_line_is_not_ready(reports, case_id):
     warning names the report, the length and the ways out."""
     report = reports[case_id]
     assert report.json["verdict"] != "READY", report.text
-    (warning,) = [
-        f for f in report.findings if dspark_long_prompt.UPSTREAM_REPORT in f["message"]
-    ]
+    (warning,) = [f for f in report.findings if dspark_long_prompt.UPSTREAM_REPORT in f["message"]]
     assert warning["level"] == "warn"
     assert f"{dspark_long_prompt.REPORTED_PROMPT_TOKENS:,} tokens" in warning["message"]
     assert "--speculative-config" in warning["advice"]
