@@ -54,3 +54,13 @@ def accepted_by_vllm(flag: str) -> None:
     config = config_class(**fields)
     for key, wanted in fields.items():
         assert str(getattr(config, key)).split(".")[-1] == str(wanted), (flag, getattr(config, key))
+
+
+def serve_of(line: list[str]):
+    """doctor's ServeLine of ``line``: the namespace of the installed vLLM's
+    own parser, read by ``doctor.serve_of``, in this process (no model files
+    and no hub are consulted beyond the model's config.json)."""
+    from vllm_mla_fixes import doctor, serve_line
+
+    with serve_line.cuda_device_type_while_parsing():
+        return doctor.serve_of(serve_line.line_arguments(line), serve_line.parse(line))

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from doctor_runs import serve_of
 
 from vllm_mla_fixes.doctor import EXIT_STATUS, LOCAL_MODEL_PLACEHOLDER
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import dspark_long_prompt
@@ -404,7 +405,7 @@ def _report_of(findings: list[Finding], line: list[str] | None = None, env=None)
     from vllm_mla_fixes import doctor
 
     env = env or _environment()
-    serve = doctor.parse_serve_args(["vllm", "serve", *line]) if line else None
+    serve = serve_of(["vllm", "serve", *line]) if line else None
     text: list[str] = []
     document: list[str] = []
     status = doctor.report(env, serve, findings, print_=text.append)
@@ -459,14 +460,13 @@ GPUS = {"B200": ("NVIDIA B200", (10, 0)), "H200": ("NVIDIA H200", (9, 0))}
 def test_gpu_wording_where_a_gpu_is_visible(gpu, state):
     """fa4-compile-strides and fp8-ds-mla-reshape on a GLM fp8 line, their
     states as the plugin may give them on that GPU."""
-    from vllm_mla_fixes import doctor
     from vllm_mla_fixes.fixes import fa4_compile_strides, fp8_ds_mla_reshape
 
     reason = {"skipped": "cannot probe here: no FA4 extension", "disabled": "not selected"}
     fixes = (fa4_compile_strides, fp8_ds_mla_reshape)
     states = {f.INFO.name: {"state": state, "reason": reason.get(state, "probe")} for f in fixes}
     env = _environment(GPUS[gpu], states)
-    serve = doctor.parse_serve_args(["vllm", "serve", *GLM_FP8])
+    serve = serve_of(["vllm", "serve", *GLM_FP8])
     findings = [finding for fix in fixes for finding in fix.diagnose(env, serve)]
     seen = _report_of(findings, GLM_FP8, env)
     assert seen.gpu_visible()

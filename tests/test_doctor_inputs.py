@@ -103,7 +103,7 @@ def test_the_same_folder_with_a_good_config_is_accepted(tmp_path):
     from importlib.metadata import version
 
     line = ["vllm", "serve", _model(tmp_path / "model", None), "-tp", "2"]
-    finding = doctor.check_with_vllm(line, version("vllm"))
+    finding, _ = doctor.check_with_vllm(line, version("vllm"))
     assert finding.level == "ok", finding
     assert "its engine config built from the model's config" in finding.message
 

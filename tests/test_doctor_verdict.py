@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from doctor_runs import DSV41_LINE, run_doctor
+from doctor_runs import DSV41_LINE, run_doctor, serve_of
 from fix_releases import FP8, first_covered_after, newest, newest_covered
 
 from vllm_mla_fixes import doctor
@@ -123,7 +123,7 @@ VLLM_REJECTS = [
 def test_vllm_rejects_the_line_in_its_own_words(flags, says):
     from importlib.metadata import version
 
-    finding = doctor.check_with_vllm(["vllm", "serve", TINY_DSV41, *flags], version("vllm"))
+    finding, _ = doctor.check_with_vllm(["vllm", "serve", TINY_DSV41, *flags], version("vllm"))
     assert finding.level == "error" and finding.topic == "serve line"
     assert finding.message.startswith(f"vLLM {version('vllm')} rejects this line: ")
     assert says in finding.message, finding.message
@@ -137,7 +137,7 @@ def test_vllm_accepts_a_good_line():
     # 0.25.1's transformers does not know DeepSeek-V4.1's config: vLLM refuses it there
     model = TINY_GLM if version("vllm") == "0.25.1" else TINY_DSV41
     line = ["vllm", "serve", model, "-tp", "8", "-dcp", "2", "--block-size", "64"]
-    finding = doctor.check_with_vllm([*line, "--gpu-memory-utilization", "0.9"], version("vllm"))
+    finding, _ = doctor.check_with_vllm([*line, "--gpu-memory-utilization", "0.9"], version("vllm"))
     assert finding.level == "ok", finding
     assert "CacheConfig" in finding.message and "ParallelConfig" in finding.message
 
@@ -170,7 +170,7 @@ def test_doctor_quotes_what_vllm_serve_itself_prints():
     assert served.returncode == 2
     said = served.stderr.strip().splitlines()[-1]
     assert said == "vllm: error: unrecognized arguments: --no-such-flag"
-    finding = doctor.check_with_vllm(line, version("vllm"))
+    finding, _ = doctor.check_with_vllm(line, version("vllm"))
     assert finding.message.endswith(f"rejects this line: {said}")
 
 
@@ -252,7 +252,7 @@ def test_model_from_its_config_else_its_name(
     tmp_path, monkeypatch, model, architectures, known, source
 ):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    serve = doctor.parse_serve_args(["vllm", "serve", model])
+    serve = serve_of(["vllm", "serve", model])
     assert (serve.architectures, serve.known_model()) == (architectures, known)
     assert serve.model_source.startswith(source), serve.model_source
 
@@ -264,7 +264,7 @@ def test_model_from_the_hub_cache_is_not_taken_for_dsv41(tmp_path, monkeypatch):
     (hub / "models--Qwen--Qwen3-8B" / "snapshots" / "old").mkdir()
     (hub / "models--Qwen--Qwen3-8B" / "snapshots" / "old" / "config.json").write_text("{}")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    serve = doctor.parse_serve_args(["vllm", "serve", "Qwen/Qwen3-8B"])
+    serve = serve_of(["vllm", "serve", "Qwen/Qwen3-8B"])
     assert serve.architectures == ["Qwen3ForCausalLM"] and not serve.known_model()
     assert serve.model_source.startswith("hub cache: ") and "0123abcd" in serve.model_source
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import importlib
 import json
 import os
@@ -18,8 +19,9 @@ import shlex
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
+from typing import Any
 
-from vllm_mla_fixes import __version__, settings
+from vllm_mla_fixes import __version__, serve_line, settings
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import release_decision
 from vllm_mla_fixes.report import (
@@ -183,20 +185,6 @@ def read_environment(load_plugins: bool = True) -> Environment:
     )
 
 
-def _json_option(value: str | None, flag: str) -> dict:
-    if value is None:
-        return {}
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise DoctorInputError(f"{flag} is not valid JSON ({exc.msg}): {value!r}") from exc
-    except RecursionError:
-        raise DoctorInputError(f"{flag} is nested too deeply to read") from None
-    if not isinstance(parsed, dict):
-        raise DoctorInputError(f"{flag} must be a JSON object, got {value!r}")
-    return parsed
-
-
 def hub_cache() -> Path:
     """The Hugging Face hub cache folder, as huggingface_hub resolves it."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -246,78 +234,83 @@ def _model(model: str | None) -> tuple[dict, list[str], str]:
     return {}, [], elsewhere
 
 
-def parse_serve_args(argv: list[str]) -> ServeLine:
-    """The flags of a ``vllm serve`` line that matter to the known failures."""
-    argv = line_arguments(argv)
-    expanded = []
-    for arg in argv:  # vLLM also accepts --group.key=value
-        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            key, _, val = arg[2:].partition("=")
-            group, _, field = key.partition(".")
-            expanded += [f"--{group}", json.dumps({field: _scalar(val)})]
-        else:
-            expanded.append(arg)
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("model_tag", nargs="?")
-    parser.add_argument("--model")
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--attention-backend")
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--kv-offloading-size")
-    parser.add_argument("--kv-offloading-backend")
-    parser.add_argument(
-        "--enable-prefix-caching", dest="prefix_caching", action="store_true", default=None
-    )
-    parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
-    parser.add_argument("--kernel-config", action="append")
-    parser.add_argument("--attention-config", action="append")
-    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--moe-backend")
-    parser.add_argument("-sc", "--speculative-config")
-    parser.add_argument("--kv-transfer-config")
-    parser.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
-    parser.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
-    try:
-        known, _ = parser.parse_known_args(expanded)
-    except SystemExit as exc:  # argparse's way of saying "bad value"
-        raise DoctorInputError(f"cannot parse the serve arguments: {shlex.join(argv)}") from exc
-    kernel_config, attention_config = {}, {}
-    for value in known.kernel_config or []:
-        kernel_config.update(_json_option(value, "--kernel-config"))
-    for value in known.attention_config or []:
-        attention_config.update(_json_option(value, "--attention-config"))
-    model = known.model or known.model_tag
+def serve_of(argv: list[str], args: argparse.Namespace) -> ServeLine:
+    """The settings that matter to the known failures, as ``vllm serve``
+    reads them: ``args`` is the namespace its own parser built from ``argv``
+    (``serve_line.parse``), so every spelling it accepts (abbreviations,
+    underscores, ``-ac``, ``--group.key value``, ``--config`` YAML) means the
+    same here.  Config options are the settings the line changes from what
+    ``vllm serve`` alone gets, whichever form the release's parser gives them
+    (a dict, or vLLM's config dataclass)."""
+    from vllm_mla_fixes import serve_line
+
+    bare = serve_line.bare_line()
+    attention_config = _changed(_option(args, "attention_config"), bare.get("attention_config"))
+    kernel_config = _changed(_option(args, "kernel_config"), bare.get("kernel_config"))
+    moe_backend = _option(args, "moe_backend")
+    if moe_backend == bare.get("moe_backend"):  # vLLM then keeps the kernel config's
+        moe_backend = kernel_config.get("moe_backend")
+    offloading_backend = _option(args, "kv_offloading_backend")
+    model = args.model
     config, architectures, source = _model(model)
     return ServeLine(
         model=model,
         architectures=architectures,
         model_config=config,
-        kv_cache_dtype=known.kv_cache_dtype,
-        attention_backend=known.attention_backend,
-        block_size=known.block_size,
-        enforce_eager=known.enforce_eager,
-        kv_offloading=known.kv_offloading_size is not None
-        or known.kv_offloading_backend is not None,
-        prefix_caching=known.prefix_caching,
+        kv_cache_dtype=str(_plain(_option(args, "kv_cache_dtype") or "auto")),
+        attention_backend=_text(_option(args, "attention_backend"))
+        or _text(attention_config.get("backend")),
+        block_size=_option(args, "block_size"),
+        enforce_eager=bool(_option(args, "enforce_eager")),
+        kv_offloading=_option(args, "kv_offloading_size") is not None
+        or offloading_backend != bare.get("kv_offloading_backend"),
+        prefix_caching=_option(args, "enable_prefix_caching"),
         kernel_config=kernel_config,
         attention_config=attention_config,
-        tensor_parallel_size=known.tensor_parallel_size,
-        moe_backend=known.moe_backend,
-        speculative=known.speculative_config is not None,
-        kv_connector=known.kv_transfer_config is not None,
-        decode_context_parallel_size=known.decode_context_parallel_size,
-        prefill_context_parallel_size=known.prefill_context_parallel_size,
+        tensor_parallel_size=_option(args, "tensor_parallel_size") or 1,
+        moe_backend=_text(moe_backend),
+        speculative=_option(args, "speculative_config") is not None,
+        kv_connector=_option(args, "kv_transfer_config") is not None,
+        decode_context_parallel_size=_option(args, "decode_context_parallel_size") or 1,
+        prefill_context_parallel_size=_option(args, "prefill_context_parallel_size") or 1,
         raw=argv,
         model_source=source,
     )
 
 
-def _scalar(text: str) -> object:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+def _option(args: argparse.Namespace, name: str) -> Any:
+    """An option of the namespace; None where this release has no such option."""
+    return getattr(args, name, None)
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(_plain(value))
+
+
+def _plain(value: object) -> Any:
+    """``value`` as JSON has it: an enum member as its name (vLLM's
+    ``AttentionBackendEnum.FLASHMLA`` as ``FLASHMLA``, as the flag spells it),
+    a config dataclass as a dict of its fields."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _changed(value: object, bare: object) -> dict[str, Any]:
+    """The keys of a config option whose value differs from ``bare``'s, the
+    same option on a line that sets nothing."""
+    given, default = _plain(value), _plain(bare)
+    if not isinstance(given, dict):
+        return {}
+    default = default if isinstance(default, dict) else {}
+    missing = object()
+    return {k: v for k, v in given.items() if default.get(k, missing) != v}
 
 
 def environment_findings(env: Environment) -> list[Finding]:
@@ -381,14 +374,6 @@ def setting_findings() -> list[Finding]:
     ]
 
 
-def line_arguments(serve_args: list[str]) -> list[str]:
-    """A serve line's arguments, without its leading ``vllm serve``."""
-    argv = list(serve_args)
-    if argv[:1] == ["vllm"]:
-        argv = argv[1:]
-    return argv[1:] if argv[:1] == ["serve"] else argv
-
-
 def _no_model(default: str | None) -> str:
     served = f"vLLM's default model, {default}" if default else "vLLM's default model"
     return (
@@ -397,12 +382,14 @@ def _no_model(default: str | None) -> str:
     )
 
 
-def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
+def check_with_vllm(
+    argv: list[str], vllm_version: str
+) -> tuple[Finding, argparse.Namespace | None]:
     """The line through the installed vLLM's own parser and model-free config
-    classes: an error in vLLM's words, else which of them accept it.  Raises
-    DoctorInputError when the line names no model."""
-    from vllm_mla_fixes import serve_line
-
+    classes: an error in vLLM's words, else which of them accept it; with the
+    namespace the parser built (None where the parser rejects the line), the
+    one parse every finding reads.  Raises DoctorInputError when the line
+    names no model."""
     args = None
     with serve_line.cuda_device_type_while_parsing():
         try:
@@ -416,13 +403,13 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
                 serve_line.check_engine_config(args)
         except serve_line.Rejected as exc:
             if args is not None and _offline(exc):
-                return _offline_finding(argv, args.model)
+                return _offline_finding(argv, args.model), args
             return Finding(
                 "error",
                 "serve line",
                 f"vLLM {vllm_version} rejects this line: {exc}",
                 "correct the line: `vllm serve` stops on it too",
-            )
+            ), args
     checked = f", its {', '.join(built)}" if built else ""
     model_checked = (
         ", and its engine config built from the model's config"
@@ -434,7 +421,7 @@ def check_with_vllm(argv: list[str], vllm_version: str) -> Finding:
         "serve line",
         f"vLLM {vllm_version}'s `vllm serve` parser{checked} and its engine arguments "
         f"accept this line{model_checked}",
-    )
+    ), args
 
 
 # What huggingface_hub and its HTTP clients raise where the hub cannot be
@@ -491,21 +478,16 @@ def diagnose(
     """Environment, parsed serve line and every fix's findings (each fix module
     has ``diagnose(env, serve)``), judged as the node that serves the line sees
     them; raises DoctorInputError on a line that names no model or cannot be read."""
-    argv = line_arguments(serve_args)
+    argv = serve_line.line_arguments(serve_args)
     if serve_args and not argv:
         raise DoctorInputError(_no_model(None))
     installed = _package_version("vllm")
-    line_check = check_with_vllm(argv, installed) if argv and installed else None
+    line_check, args = check_with_vllm(argv, installed) if argv and installed else (None, None)
     rejected = line_check is not None and line_check.level == "error"
     serve = None
-    if argv:
-        try:
-            serve = parse_serve_args(argv)
-        except DoctorInputError:
-            if not rejected:  # vLLM's own words say more, where it rejects the line
-                raise
-        if serve is not None and not serve.model:
-            raise DoctorInputError(_no_model(None))
+    if args is not None:
+        with serve_line.cuda_device_type_while_parsing():
+            serve = serve_of(argv, args)
     env = read_environment(load_plugins)
     findings = environment_findings(env)
     vllm_version = env.packages.get("vllm")

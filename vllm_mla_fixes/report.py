@@ -109,6 +109,10 @@ class Environment:
 
 @dataclasses.dataclass
 class ServeLine:
+    """The serve line's settings the fixes judge, as ``vllm serve``'s own
+    parser reads them (``doctor.serve_of``): one meaning for every spelling it
+    accepts.  The config options hold what the line changes from the defaults."""
+
     model: str | None
     architectures: list[str]
     model_config: dict

@@ -64,12 +64,20 @@ def cuda_device_type_while_parsing() -> Iterator[str]:
         del current.device_type
 
 
+def line_arguments(argv: list[str]) -> list[str]:
+    """A serve line's arguments, without its leading program and ``serve``.
+    The program is ``vllm``, or a path to it (``/usr/local/bin/vllm serve``):
+    a path whose last part is ``vllm`` counts as the program only where
+    ``serve`` follows, so a model folder named ``vllm`` stays the model."""
+    argv = list(argv)
+    if argv[:1] == ["vllm"] or (argv[1:2] == ["serve"] and os.path.basename(argv[0]) == "vllm"):
+        argv = argv[1:]
+    return argv[1:] if argv[:1] == ["serve"] else argv
+
+
 def as_serve_argv(argv: list[str]) -> list[str]:
     """``[vllm] [serve] ARGS`` as ``serve ARGS``, the form vLLM's top-level parser takes."""
-    argv = list(argv)
-    if argv[:1] == ["vllm"]:
-        argv = argv[1:]
-    return argv if argv[:1] == ["serve"] else ["serve", *argv]
+    return ["serve", *line_arguments(argv)]
 
 
 # ``ServeSubcommand.subparser_init`` in every covered release: the ``serve``
@@ -170,26 +178,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def model_given(argv: list[str], args: argparse.Namespace) -> bool:
-    """Whether the line names a model (``vllm serve`` otherwise serves vLLM's default)."""
-    return bool(getattr(args, "model_tag", None)) or any(
-        arg == "--model" or arg.startswith("--model=") for arg in argv
+    """Whether the line names a model (``vllm serve`` otherwise serves vLLM's
+    default): as its first argument, with ``--model``, or in its ``--config``
+    YAML (``model: ...``, which the parser reads as ``--model``)."""
+    return (
+        bool(getattr(args, "model_tag", None))
+        or any(arg == "--model" or arg.startswith("--model=") for arg in argv)
+        or getattr(args, "model", None) != default_model()
     )
 
 
 @functools.cache
-def _bare_line() -> dict[str, Any]:
+def bare_line() -> dict[str, Any]:
     """What ``vllm serve`` with no arguments gets."""
     return vars(serve_parser().parse_args(["serve"]))
 
 
 def default_model() -> str | None:
     """The model ``vllm serve`` serves when the line names none."""
-    return _bare_line().get("model")
+    return bare_line().get("model")
 
 
 def options_set(args: argparse.Namespace) -> dict[str, Any]:
     """The options whose value differs from what ``vllm serve`` alone gets."""
-    baseline = _bare_line()
+    baseline = bare_line()
     missing = object()
     return {
         name: value
