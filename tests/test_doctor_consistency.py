@@ -63,6 +63,12 @@ DOCS_LINE = [
 # the issue's speculative config (vllm#56771), and doctor's advice for short prompts
 DSPARK_5 = ["--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5}']
 SHORT_PROMPTS = dspark_long_prompt.SHORT_PROMPTS_FLAG.split()
+# (canonical flags, a spelling vLLM's parser reads as the same), each failing on SM120
+MXFP4 = '{"indexer_kv_dtype": "mxfp4"}'
+SPELLINGS = (
+    (("--attention-config", MXFP4), ("-ac", MXFP4)),
+    (("--moe-backend", "triton"), ("--moe_backend", "triton")),
+)
 FIXES_OFF = (("VLLM_MLA_FIXES", "none"),)
 OFFLINE = (("HF_HUB_OFFLINE", "1"),)  # and an empty Hugging Face home
 
@@ -109,6 +115,12 @@ CASES = [
     ),
     Case("0.32.0", "DSV4.1 DSpark tp 4, fixes off", (*DSV41, "-tp", "4", *DSPARK_5), FIXES_OFF),
     Case("0.34.0", "DSV4.1 DSpark short prompts", (*DSV41, *DSPARK_5, *SHORT_PROMPTS)),
+    # issue 43: spellings vLLM reads as the canonical flags (doctor read them otherwise)
+    *(
+        Case("0.34.0", f"DSV4.1 {' '.join(flags)}", (*DSV41, *flags))
+        for pair in SPELLINGS
+        for flags in pair
+    ),
 ]
 
 # One interpreter per release and setting: doctor's diagnose and report, as the CLI calls them.
@@ -566,3 +578,15 @@ def test_dspark_short_prompt_advice_takes_the_warning_away(reports):
 def test_no_dspark_finding_without_dspark(reports):
     report = reports["0.34.0 DSV4.1 block 64"]
     assert not any(dspark_long_prompt.UPSTREAM_REPORT in f["message"] for f in report.findings)
+
+
+@pytest.mark.vllm_release("0.34.0")
+@pytest.mark.parametrize("canonical, spelling", SPELLINGS, ids=lambda flags: " ".join(flags))
+def test_a_spelling_vllm_accepts_gets_the_canonical_verdict(reports, canonical, spelling):
+    """Red before issue 43: doctor's own argparse read ``-ac`` and
+    ``--moe_backend`` as nothing and said READY.  The spelling now gets the
+    canonical line's WILL FAIL, with the same findings."""
+    judged = [reports[f"0.34.0 DSV4.1 {' '.join(flags)}"] for flags in (canonical, spelling)]
+    assert judged[0].json["verdict"] == "WILL FAIL", judged[0].text
+    assert [r.findings for r in judged[1:]] == [judged[0].findings]
+    assert [r.json["reason"] for r in judged[1:]] == [judged[0].json["reason"]]

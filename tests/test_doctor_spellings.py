@@ -1,6 +1,6 @@
 """doctor reads the line vLLM reads (issue 43): every spelling of the same
 settings that ``vllm serve``'s own parser accepts gives doctor the same
-ServeLine, and the same verdict.
+ServeLine (the same verdict: ``test_doctor_consistency.py``'s spelling cases).
 
 Spellings: dashes or underscores, abbreviations vLLM's parser takes, short
 forms (``-tp``, ``-ac``), ``--flag=value``, ``--group.key value``, the
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 from doctor_runs import serve_of
+from fix_releases import FP8, newest, newest_covered
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_mla_fixes import doctor
-
-pytestmark = pytest.mark.vllm_release("0.25.1", "0.34.0")
+# the fp8 fix's newest session and the newest covered one (the two parsers the issue tried)
+pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
 
 MODEL = str(
     Path(__file__).resolve().parent.parent / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
@@ -204,26 +204,3 @@ def test_the_issue_spellings_read_as_the_canonical_ones(tmp_path):
     assert _fields(["/usr/local/bin/vllm", "serve", "--config", str(model_in_yaml)]) == _fields(
         ["vllm", "serve", MODEL]
     )
-
-
-@pytest.mark.vllm_release("0.34.0")
-@pytest.mark.parametrize(
-    "flags, says",
-    [
-        (["-ac", '{"indexer_kv_dtype":"mxfp4"}'], "indexer_kv_dtype='mxfp4' requires SM10x"),
-        (["--moe_backend", "triton"], "--moe-backend triton is not supported on SM120"),
-    ],
-)
-def test_a_spelling_vllm_accepts_gets_the_canonical_verdict(flags, says):
-    """doctor, in process, on the tiny DeepSeek-V4.1: WILL FAIL for the reason
-    the canonical spelling gives, with the same findings."""
-
-    def judged(line: list[str]) -> tuple[doctor.Verdict, list[tuple[str, str, str]]]:
-        _, _, findings = doctor.diagnose(line, load_plugins=False)
-        return doctor.verdict(findings), [(f.level, f.topic, f.message) for f in findings]
-
-    canonical_flags = [flags[0].replace("_", "-").replace("-ac", "--attention-config"), flags[1]]
-    verdict, findings = judged(["/usr/local/bin/vllm", "serve", MODEL, *flags])
-    assert verdict.label == doctor.WILL_FAIL, verdict
-    assert any(level == "error" and says in message for level, _, message in findings), findings
-    assert (verdict, findings) == judged(["vllm", "serve", MODEL, *canonical_flags])
