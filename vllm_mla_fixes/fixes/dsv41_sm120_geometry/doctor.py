@@ -149,7 +149,7 @@ def _serve_line_findings(env: Environment, serve: ServeLine) -> list[Finding]:
                 name,
                 "indexer_kv_dtype='mxfp4' requires SM10x (B200/GB200); "
                 "SM120 rejects it at start-up",
-                f"use {INDEXER_FP8_FLAG}",
+                f"the fp8 indexer cache: {INDEXER_FP8_FLAG}",
             )
         )
     if attention.get("indexer_sparse_logits"):
@@ -178,7 +178,8 @@ def _serve_line_findings(env: Environment, serve: ServeLine) -> list[Finding]:
                 "error",
                 name,
                 f"--moe-backend {serve.moe_backend} is not supported on SM120",
-                f"leave it on auto (DEEPGEMM_MXFP4) or use {MOE_MARLIN_FLAG}",
+                "the default: drop --moe-backend (auto picks DEEPGEMM_MXFP4); "
+                f"or Marlin: {MOE_MARLIN_FLAG}",
             )
         )
     return findings
