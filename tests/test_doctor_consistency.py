@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from doctor_runs import serve_of
+from fix_releases import FA4, newest
 
 from vllm_mla_fixes.doctor import EXIT_STATUS, LOCAL_MODEL_PLACEHOLDER
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import dspark_long_prompt
@@ -446,6 +447,8 @@ def test_capacity_check_catches_one_figure_with_two_values():
     assert "('8192', '128'): ['1.051', '1.052']" in problem
 
 
+# the warm-up flag's releases: vLLM's own parser reads the line (older ones reject the key)
+@pytest.mark.vllm_release(newest(FA4))
 def test_workaround_check_catches_a_flag_recommended_again():
     line = [*MLA, *WARMUP_OFF]
     findings = [
