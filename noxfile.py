@@ -202,9 +202,9 @@ def _release_session(release: str):
 
 
 # Issue 46: every bug tests/<fix>/injections.py names, injected in turn, its
-# catching tests run under it.  The default run of a fix's newest release runs
-# it (tests/<fix>/test_bug_injections.py); these sessions run every suite that
-# covers the release (the CI budget holds one release), printing the table.
+# catching tests run under it (tests/<fix>/test_bug_injections.py), alone: the
+# catchers leave the process's state behind, so no other test file may share
+# its interpreter.  Opt-in, not in CI; each prints the table.
 INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
 
 

@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered, newest
+from fix_releases import DSV41, covered
 from injections import Catcher, injections
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
-# The default session of the newest release runs the table; `nox -s
-# injections-<release>` sets this variable to run it on any covered release.
+# Opt-in (`nox -s injections-<release>` sets this variable): the catchers it
+# runs leave this process's state behind (CI run 4: test_dsv41_offload's
+# per-layer page mover, run after it in the same worker, then failed), so it
+# runs in a session of its own, never beside other test files.
 INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
 
 
@@ -71,8 +73,8 @@ def test_every_injected_bug_is_caught(request, tmp_path):
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 
     release = request.config.vllm_release
-    if release != newest(DSV41) and not os.environ.get(INJECTIONS_ENV):
-        pytest.skip(f"`nox -s injections-{release}` runs it on {release}")
+    if not os.environ.get(INJECTIONS_ENV):
+        pytest.skip(f"runs alone: `nox -s injections-{release}`")
     rows, survivors = [], []
     started = time.monotonic()
     for number, injection in enumerate(injections()):
