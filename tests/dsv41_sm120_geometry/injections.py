@@ -99,23 +99,10 @@ def _watch_patches(
 
 
 def _import_patched_modules() -> None:
-    import importlib
+    """Every vLLM module the fix patches imported, as the revert test does."""
+    from test_dsv41_one_decision import _fix_modules_imported
 
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import info
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import SPEC_MERGE_SITES
-
-    for name in (
-        info.ATTENTION_MODULE,
-        info.FLASHINFER_MODULE,
-        info.INDEXER_MODULE,
-        info.WARMUP_MODULE,
-        info.WORKER_UTILS_MODULE,
-        *(module for module, _ in SPEC_MERGE_SITES),
-    ):
-        try:
-            importlib.import_module(name)
-        except ImportError:  # a spec-merge candidate the release does not have
-            pass
+    _fix_modules_imported()
 
 
 def patch_targets() -> list[str]:
