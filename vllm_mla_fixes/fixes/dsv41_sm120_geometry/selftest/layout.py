@@ -70,6 +70,9 @@ class TinyModel:
     max_num_seqs: int = 4
     max_model_len: int = 1024
     rms_norm_eps: float = 1e-6
+    # DSpark's num_speculative_tokens: the builders then take a verify step's
+    # 1 + drafts tokens per request as decodes, as vLLM's do.
+    speculative_tokens: int = 0
 
     def source_of(self, layer: int) -> int | None:
         if self.compress_ratios[layer] == 0:
@@ -179,6 +182,21 @@ GEOMETRIES: dict[str, Geometry] = {
 # --------------------------------------------------------------------------
 
 
+class DSparkConfig(SimpleNamespace):
+    """The fields of a DSpark ``SpeculativeConfig`` that the planner and the
+    attention builders read; its predicates (``use_eagle()``,
+    ``use_dspark()``, ...) are the release's own methods, run on these fields
+    (building the real one needs the drafter's model config)."""
+
+    def __getattr__(self, name: str) -> Any:
+        from vllm.config import SpeculativeConfig
+
+        method = getattr(SpeculativeConfig, name)
+        if not callable(method):
+            raise AttributeError(name)
+        return method.__get__(self)
+
+
 def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -> SimpleNamespace:
     """The configuration a ``vllm serve --block-size block_size`` of the tiny
     model has; the pool holds as many tokens at any block size."""
@@ -231,7 +249,20 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
         attention_config=attention,
         parallel_config=ParallelConfig(),
         compilation_config=CompilationConfig(),
-        speculative_config=None,
+        speculative_config=(
+            DSparkConfig(
+                method="dspark",
+                num_speculative_tokens=model.speculative_tokens,
+                max_num_new_slots_for_drafting=0,
+                parallel_drafting=False,
+                disable_eagle_block_drop=False,
+                enable_adaptive_verification=False,
+                draft_model_config=None,
+                num_speculative_tokens_per_batch_size=None,
+            )
+            if model.speculative_tokens
+            else None
+        ),
         kv_transfer_config=(
             # A connector the split is not reviewed with (it moves per-layer pages).
             KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
@@ -240,7 +271,7 @@ def make_config(model: TinyModel, block_size: int, kv_connector: bool = False) -
         ),
         kernel_config=SimpleNamespace(enable_jit_warmup=False),
         use_v2_model_runner=True,
-        num_speculative_tokens=0,
+        num_speculative_tokens=model.speculative_tokens,
     )
     _derived_properties(config)
     return config

@@ -140,7 +140,7 @@ class BlockScheduler:
     """vLLM's ``KVCacheManager`` on the layout's KV cache config, driven as
     vLLM's scheduler drives it (prefix caching on)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, prompts: Callable[[str], list[int]] = prompt_tokens):
         from vllm.utils.hashing import sha256
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -161,6 +161,7 @@ class BlockScheduler:
         self.hasher = kv_cache_utils.get_request_block_hasher(hash_block, sha256)
         self.requests: dict[str, Any] = {}
         self.held: dict[str, set[int]] = {}  # every block a request has held
+        self.prompts = prompts
 
     def schedule(self, name: str, tokens: int | None) -> tuple[int, int, int]:
         """Allocate ``name``'s next ``tokens`` (None: the rest of its prompt);
@@ -174,7 +175,7 @@ class BlockScheduler:
         if request is None:
             request = Request(
                 name,
-                prompt_tokens(name),
+                self.prompts(name),
                 SamplingParams(max_tokens=16),
                 None,
                 block_hasher=self.hasher,

@@ -1,0 +1,151 @@
+"""Issue 42, step 1: which of vllm PR #57388's defects vLLM's own DSpark path
+reaches on CPU (vllm#56771: long prompts crash DeepSeek-V4.1 with DSpark on SM12x).
+
+A 12,288-token prompt is prefilled in chunks of ``--max-num-batched-tokens``
+2048 beside a request verifying 1 + 5 tokens, then both verify in a batch
+padded for a FULL CUDA graph (``dspark_gather.serve_long_prompt``: vLLM's
+``KVCacheManager``, ``BlockTables`` and ``build_attn_metadata``, pretended
+SM120).  On the metadata of the last chunk's step and of the padded verify
+step, vLLM's own ``compute_global_topk_indices_and_lens`` runs in Triton's
+interpreter as ``_forward_prefill`` / ``_forward_decode`` call it.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import fix_releases
+import pytest
+import torch
+
+from vllm_mla_fixes.fixes import dsv41_sm120_geometry
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import dspark_gather as dg
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import (
+    interpreter_problem,
+    prepare_process_env,
+)
+
+prepare_process_env()
+
+pytestmark = pytest.mark.vllm_release(*fix_releases.covered(dsv41_sm120_geometry.INFO))
+
+PROMPT_TOKENS = 12_288  # the report's "12k reliably"
+SENTINEL = -7  # a value no vLLM writer puts in the top-k buffer
+
+
+@pytest.fixture(scope="module")
+def served() -> dg.Served:
+    problem = interpreter_problem()
+    if problem:
+        pytest.skip(problem)
+    with dg.tiny_dspark_layout(PROMPT_TOKENS + 4096) as layout:
+        return dg.serve_long_prompt(layout, PROMPT_TOKENS)
+
+
+def _calls(served: dg.Served, path: str, padded: bool) -> list[dg.GatherCall]:
+    return [
+        c
+        for c in served.calls
+        if c.path == path and ("padded" in c.step) == padded and c.compress_ratio in (1, 2)
+    ]
+
+
+def test_the_steps_are_the_long_prompt_s_last_chunk_and_a_padded_verify(served):
+    """The metadata is a DSpark step's: the chunk's tokens reach position
+    12,287 and the verify request's 6 tokens are decodes; then 4 requests of
+    6 tokens (2 of them CUDA-graph padding) decode."""
+    prefill = _calls(served, "prefill", padded=False)
+    decode = _calls(served, "decode", padded=False)
+    verify = _calls(served, "decode", padded=True)
+    assert {c.compress_ratio for c in prefill} == {1, 2}
+    assert all(int(c.positions.max()) == PROMPT_TOKENS - 1 for c in prefill)
+    assert all(len(c.positions) == dg.VERIFY_TOKENS for c in decode)
+    assert all(len(c.positions) == 4 * dg.VERIFY_TOKENS for c in verify)
+    assert all(int((~c.is_valid).sum()) == 2 * dg.VERIFY_TOKENS for c in verify)
+
+
+def test_no_gather_read_leaves_the_request_s_blocks_on_vllm_s_inputs(served):
+    """Every index the indexer can emit (0 and the largest positions each
+    token sees, -1 after) loads a block-table cell in the token's own row,
+    below the blocks its request holds: the missing upper bound is not
+    reached by vLLM's own metadata."""
+    for call in served.calls:
+        reads = dg.gather_reads(call, dg.legal_indices(call, served.topk))
+        assert reads, call.step
+        assert dg.out_of_bounds(reads) == [], (call.step, call.layer, call.path)
+
+
+@pytest.mark.parametrize("past", ["its blocks", "its row"])
+def test_the_kernel_reads_past_the_blocks_given_an_index_past_them(served, past):
+    """The detector works: vLLM's gather loads whatever cell an index names.
+    One block past the request's blocks reads its own row's unallocated
+    cell; one row's width past reads the next row, or below the table."""
+    for call in _calls(served, "prefill", padded=False) + _calls(served, "decode", padded=True):
+        indices = torch.full((len(call.positions), served.topk), -1, dtype=torch.int32)
+        for token, row in enumerate(call.token_to_req.tolist()):
+            blocks = call.allocated[row] if past == "its blocks" else call.block_table.shape[1]
+            indices[token, 0] = blocks * call.block_size
+        kinds = collections.Counter(r.kind for r in dg.gather_reads(call, indices))
+        if past == "its blocks":
+            assert kinds == {"past its blocks": len(call.positions)}
+        else:
+            assert "in bounds" not in kinds and "past its blocks" not in kinds
+            assert sum(kinds.values()) == len(call.positions)
+
+
+def test_every_top_k_row_the_attention_reads_is_written_in_the_step(served):
+    """The attention reads rows [0, decode + prefill tokens) of the buffer;
+    the indexer's full path sets rows [0, the forward's tokens) to -1 first,
+    and its short-context fill (run here on the step's positions, over a
+    buffer of sentinels) writes rows [0, its metadata's tokens).  Both cover
+    every row read, CUDA-graph padding included."""
+    for step, (read, indexer_rows, forward_rows) in served.rows.items():
+        assert read <= indexer_rows <= forward_rows, step
+        for ratio in (1, 2):
+            buffer = dg.short_context_rows(
+                served.positions[step], indexer_rows, served.topk, ratio, SENTINEL
+            )
+            assert not (buffer[:read] == SENTINEL).any(), (step, ratio)
+
+
+def test_no_stale_lane_past_topk_length_on_vllm_s_inputs(served):
+    """The gathered rows hand FlashInfer -1 in every lane at or past the
+    row's length, for the indexer's rows (left-packed, -1 after) and for
+    padding rows the full path reset: no input for FlashInfer
+    0.7.0.post1's lane overread (flashinfer#5075) on this step."""
+    for call in served.calls:
+        assert dg.stale_lanes(call, dg.legal_indices(call, served.topk)) == [], call.step
+
+
+def test_short_context_fill_gives_padding_tokens_stale_lanes(served):
+    """Where the indexer takes its short-context path on a padded batch,
+    padding tokens (``is_valid_token`` false, length 0) get indices from their
+    positions, so their lanes past length 0 are not -1: the one input of
+    flashinfer#5075's kind vLLM's code makes (0.32.0's FlashInfer reads it)."""
+    for call in _calls(served, "decode", padded=True):
+        step_positions = served.positions[call.step]
+        buffer = dg.short_context_rows(
+            step_positions, len(step_positions), served.topk, call.compress_ratio, SENTINEL
+        )
+        stale = dg.stale_lanes(call, buffer[: len(call.positions)])
+        assert stale == (~call.is_valid).nonzero().flatten().tolist()
+
+
+def test_flashinfer_normalises_2d_prefill_indices_as_3d_decode_ones():
+    """The PR's fourth point is no defect: the installed FlashInfer's SM120
+    entry point flattens [T, 1, topk] to the same rows as [T, topk]."""
+    assert dg.normalised_alike(tokens=5, topk=64)
+
+
+@pytest.mark.vllm_release(fix_releases.oldest(dsv41_sm120_geometry.INFO))
+def test_flashinfer_0_7_0_keeps_no_state_between_calls_in_the_workspace():
+    """FlashInfer 0.7.0.post1 (0.32.0's) hands a decode or verify call (at
+    most 64 tokens) split-K scratch from byte 0 of the shared workspace,
+    which the same call writes and then merges; a prefill call gets none.
+    So an eager prefill between two graph replays overwrites nothing a
+    replay reads before writing it.  (TP4: 16 heads; 128 window slots and
+    the index top-k of 512.)"""
+    verify = dg.split_k_scratch(tokens=4 * dg.VERIFY_TOKENS, heads=16, topk=128, extra_topk=512)
+    assert verify[0][0] == 0 and verify[0][1] <= verify[1][0]
+    assert verify[1][1] < 128 << 20
+    assert dg.split_k_scratch(tokens=2042, heads=16, topk=128, extra_topk=512) == []
