@@ -12,12 +12,23 @@ Affected:   every release the geometry fix covers (0.32.0, 0.33.0, 0.34.0): the
 Hardware:   SM120, SM121 (FlashInfer's SM120 sparse-MLA prefill).
 
 What this package does about it
-    Nothing is changed in vLLM: which of the PR's defects vLLM's own DSpark
-    path reaches has not been reproduced on CPU yet, and a change without a
-    reproduced defect would be a change without a test.  What doctor says is
-    the part this package owns: a DSpark line on SM12x is not READY while it
-    admits prompts of the length the report crashes on, and doctor names the
-    report, the length and the ways out.
+    Nothing is changed in vLLM.  Issue 42's first step ran each of the PR's
+    defects with vLLM's own code on CPU, on every covered release
+    (reproductions/dspark_gather.py; tests/dsv41_sm120_geometry/
+    test_dspark_long_prompt_evidence.py).  The metadata vLLM's builders make
+    for a 12,288-token prompt's last prefill chunk beside a 1 + 5 token
+    verify, and for a padded verify step, was used throughout.  vLLM's gather
+    then stays in each request's blocks for every index its indexer can emit
+    (it does read past them given an index past them).  Every top-k row the
+    attention reads is written in the step.  FlashInfer's workspace keeps no
+    state between calls.  The gathered rows hold -1 past each row's length.
+    None of the defects is reached, so no change would have a test that can
+    fail.  What the SM120 indexer kernels emit for a long prompt, and the
+    crash itself, need a GPU (docs/fixes/dsv41-sm120-geometry.md, "DSpark
+    and long prompts").  What doctor says is the part this package owns: a
+    DSpark line on SM12x is not READY while it admits prompts of the length
+    the report crashes on, and doctor names the report, the length and the
+    ways out.
 
 Remove when
     The oldest release the geometry fix covers carries vllm#57388 (or
