@@ -14,6 +14,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from vllm_mla_fixes import atomic
+
 
 def release(text: str) -> str:
     """A vLLM release number (PEP 440), e.g. 0.25.1."""
@@ -129,15 +131,17 @@ def output_file_problem(text: str) -> str | None:
     """Why a file cannot be written at ``text`` (a report), or None."""
     if not text.strip():
         return "an empty path names no file"
-    path = Path(text)
+    if text.endswith(os.sep):  # Path() would drop the slash and write a file
+        return f"it ends in {os.sep!r}, which names a folder; give a file name"
     try:
-        if path.is_dir():
-            return "it is a folder; give a file name"
-        if not path.parent.is_dir():
+        final = atomic.write_target(Path(text))  # not replaced unless a regular file
+        if not final.parent.is_dir():
             return "its folder does not exist"
+    except atomic.CannotWrite as exc:
+        return exc.reason
     except OSError as exc:  # a name too long, a folder it may not look into
         return exc.strerror or str(exc)
-    return _cannot_write_in(path.parent)
+    return _cannot_write_in(final.parent)
 
 
 def output_folder_problem(text: str) -> str | None:

@@ -6,20 +6,75 @@ name and moved into place with ``os.replace`` only once it is complete: a
 reader (pip, another process) sees the earlier file or the new one, never a
 part.  An exception, Ctrl-C, or SIGTERM under :func:`interruptions_unwind`
 removes the temporary file and any folder the command created for it.
+
+Only a regular file is replaced.  A target that exists as anything else (a
+folder, a device such as /dev/null, a FIFO, a socket) is refused with
+:class:`CannotWrite`, and left as it is.  A symbolic link is written through:
+the regular file it names is replaced (atomically, in that file's folder) and
+the link stays; a link to anything but a regular file is refused like its
+target.  A write that fails (no space, no permission, a read-only file
+system) raises :class:`CannotWrite`, which names the path.
 Standard library only: the plugin's start-up path uses it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 import secrets
 import signal
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
+
+
+class CannotWrite(OSError):
+    """A file could not be written whole: the message names the path and why."""
+
+    def __init__(self, target: Path, reason: str) -> None:
+        super().__init__(f"cannot write {str(target)!r}: {reason}")
+        self.reason = reason
+
+
+# Errors of a write itself (not of what the block reads): named after the
+# target, not the temporary file they happened in.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES})
+
+
+def kind_of(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words."""
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def write_target(target: Path) -> Path:
+    """The path whose file writing ``target`` replaces: ``target``, or the file
+    a symbolic link at ``target`` names.  Raises :class:`CannotWrite` where that
+    exists and is not a regular file (it is never replaced)."""
+    linked = target.is_symlink()
+    try:
+        mode = os.stat(target).st_mode  # through links as the kernel follows them (/proc/self/fd/1)
+    except (FileNotFoundError, NotADirectoryError):
+        mode = stat.S_IFREG  # nothing there yet: the file is created (or its folder is missing)
+    except OSError as exc:  # a link loop, a folder it may not look into
+        raise CannotWrite(target, exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(mode):
+        kind = kind_of(mode)
+        shown = f"a link to {kind} ({os.readlink(target)})" if linked else kind
+        if stat.S_ISDIR(mode):
+            raise CannotWrite(target, f"it is {shown}; give a file name")
+        raise CannotWrite(target, f"it is {shown}, not a regular file; it is left as it is")
+    return Path(os.path.realpath(target)) if linked else target
 
 
 def _temporary_name(target: Path) -> Path:
@@ -81,24 +136,46 @@ def replacing(target: Path) -> Iterator[Path]:
     """A temporary path in ``target``'s folder for the block to write (and check);
     it replaces ``target`` when the block ends normally.  On any exception
     (KeyboardInterrupt and :class:`Interrupted` included) it is removed and
-    ``target`` is left as it was."""
-    temporary = _temporary_name(target)
+    ``target`` is left as it was.  ``target`` is checked first
+    (:func:`write_target`); a failed write raises :class:`CannotWrite`."""
+    final = write_target(target)
+    temporary = _temporary_name(final)
     try:
         # Created with the mode a plain open() gives (0o666 less the umask),
         # not mkstemp's 0o600: the finished file is shared like any other.
         os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        yield temporary
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())  # on disk before the name points at it
-        os.replace(temporary, target)
+    except OSError as exc:
+        raise CannotWrite(target, exc.strerror or str(exc)) from None
+    try:
+        try:
+            yield temporary
+        except CannotWrite:
+            raise
+        except OSError as exc:
+            if exc.errno in _WRITE_ERRNOS:
+                raise CannotWrite(target, exc.strerror or str(exc)) from None
+            raise
+        try:
+            with open(temporary, "rb") as written:
+                os.fsync(written.fileno())  # on disk before the name points at it
+            write_target(target)  # it may have become something else meanwhile
+            os.replace(temporary, final)
+        except CannotWrite:
+            raise
+        except OSError as exc:
+            raise CannotWrite(target, exc.strerror or str(exc)) from None
     finally:
         temporary.unlink(missing_ok=True)
 
 
 def write_atomic(target: Path, data: str | bytes) -> None:
-    """Write ``data`` (text as UTF-8) to ``target`` whole, or leave ``target`` as it was."""
+    """Write ``data`` (text as UTF-8) to ``target`` whole, or leave ``target``
+    as it was and raise :class:`CannotWrite`."""
     with replacing(target) as temporary:
-        temporary.write_bytes(data.encode() if isinstance(data, str) else data)
+        try:
+            temporary.write_bytes(data.encode() if isinstance(data, str) else data)
+        except OSError as exc:
+            raise CannotWrite(target, exc.strerror or str(exc)) from None
 
 
 @contextlib.contextmanager

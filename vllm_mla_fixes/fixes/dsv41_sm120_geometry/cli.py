@@ -107,10 +107,10 @@ def cmd_selftest(args: argparse.Namespace) -> int:
     if args.report is not None:
         try:
             atomic.write_atomic(Path(args.report), document + "\n")
-        except OSError as exc:  # the results are printed above; only the file is missing
+        except atomic.CannotWrite as exc:  # the results are printed above; only the file is missing
             print(
                 f"{PROG} selftest: error: --report {args.report!r} not written "
-                f"({exc.strerror or exc}); the report is printed above",
+                f"({exc.reason}); the report is printed above",
                 file=sys.stderr,
             )
             return EXIT_USAGE  # the path given cannot be written: as when checked first
