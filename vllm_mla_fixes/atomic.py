@@ -4,8 +4,10 @@ Every file a command writes (a wheel, a downloaded wheel in the cache, a cached
 screen verdict, a report) is written under a temporary name beside its final
 name and moved into place with ``os.replace`` only once it is complete: a
 reader (pip, another process) sees the earlier file or the new one, never a
-part.  An exception, Ctrl-C, or SIGTERM under :func:`interruptions_unwind`
-removes the temporary file and any folder the command created for it.
+part.  An exception, or a signal that ends a command (:data:`STOPPING_SIGNALS`:
+Ctrl-C's SIGINT, SIGTERM, and SIGHUP, which a closed terminal or ssh session
+sends) under :func:`interruptions_unwind` removes the temporary file and any
+folder the command created for it.
 
 Only a regular file is replaced.  A target that exists as anything else (a
 folder, a device such as /dev/null, a FIFO, a socket) is refused with
@@ -75,6 +77,21 @@ def write_target(target: Path) -> Path:
             raise CannotWrite(target, f"it is {shown}; give a file name")
         raise CannotWrite(target, f"it is {shown}, not a regular file; it is left as it is")
     return Path(os.path.realpath(target)) if linked else target
+
+
+# The signals whose default action ends a command and that it is sent to
+# stop: each is unwound alike (temporary files removed, children ended).
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _watched() -> tuple[signal.Signals, ...]:
+    """The stopping signals to act on: all but a SIGHUP ignored by ``nohup``,
+    which asks that a closed terminal not stop the command."""
+    return tuple(
+        signum
+        for signum in STOPPING_SIGNALS
+        if not (signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN)
+    )
 
 
 def _temporary_name(target: Path) -> Path:
@@ -198,7 +215,7 @@ def folder(path: Path) -> Iterator[Path]:
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT arrived; raised where the program was, so that every
+    """One of :data:`STOPPING_SIGNALS` arrived; raised where the program was, so that every
     ``finally`` on the way out runs (a BaseException, like KeyboardInterrupt:
     ``except Exception`` does not swallow it)."""
 
@@ -208,15 +225,15 @@ class Interrupted(BaseException):
 
     @property
     def exit_status(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + self.signum  # the shell's convention: 129 SIGHUP, 130 SIGINT, 143 SIGTERM
 
 
 @contextlib.contextmanager
 def interruptions_unwind() -> Iterator[None]:
-    """Inside this block the first SIGTERM or SIGINT raises :class:`Interrupted`;
+    """Inside this block the first of :data:`STOPPING_SIGNALS` raises :class:`Interrupted`;
     later ones are ignored until the block has exited, so that the clean-up the
     first one started is not itself cut short."""
-    watched = (signal.SIGINT, signal.SIGTERM)
+    watched = _watched()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         for other in watched:
@@ -233,14 +250,14 @@ def interruptions_unwind() -> Iterator[None]:
 
 @contextlib.contextmanager
 def interruptions_between_steps() -> Iterator[Callable[[], None]]:
-    """Inside this block a SIGTERM or SIGINT is noted, not raised where the
+    """Inside this block one of :data:`STOPPING_SIGNALS` is noted, not raised where the
     program happens to be; the block calls the function it is given at each
     point where stopping is safe (between two zip entries: ``zipfile`` cannot
     be unwound from inside an entry), and that raises :class:`Interrupted`.
     A signal still pending when the block ends is raised there.  Once one
     has arrived, later ones are ignored until an enclosing
     :func:`interruptions_unwind` block has exited."""
-    watched = (signal.SIGINT, signal.SIGTERM)
+    watched = _watched()
     pending: list[int] = []
 
     def note(signum: int, frame: FrameType | None) -> None:

@@ -2,14 +2,14 @@
 
 A command that starts a child (the self-test's geometry and timing workers)
 must not leave it running when the command is stopped (``timeout``, systemd
-and Kubernetes send SIGTERM; a terminal SIGINT), when it gives up on the child
+and Kubernetes send SIGTERM; a terminal SIGINT, a closed one SIGHUP), when it gives up on the child
 (a time limit), or when it dies.  Each child here leads a process group (and
 session) of its own, so that everything it starts in turn (ninja and nvcc of a
 JIT build) is ended with it:
 
-* :func:`supervised` (in the parent): a SIGTERM or SIGINT first ends every
-  child group still running, then does what it did before (SIGTERM's default
-  ends the command with status 143; SIGINT raises ``KeyboardInterrupt``);
+* :func:`supervised` (in the parent): a SIGTERM, SIGINT or SIGHUP first ends
+  every child group still running, then does what it did before (SIGTERM's and
+  SIGHUP's default end the command; SIGINT raises ``KeyboardInterrupt``);
   leaving the block ends the groups still running;
 * :func:`end_group` ends a child's whole group (SIGKILL): on a time limit, and
   after the child has reported, for anything it left behind;
@@ -33,7 +33,8 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
-STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from vllm_mla_fixes.atomic import STOPPING_SIGNALS
+
 WATCH_INTERVAL_S = 0.2  # how often a worker's watchdog looks for its parent
 REAP_TIMEOUT_S = 10.0  # a SIGKILLed process is gone in far less, unless stuck in the kernel
 
@@ -95,7 +96,7 @@ def exited(pid: int, timeout: float) -> bool:
 
 @contextlib.contextmanager
 def supervised() -> Iterator[None]:
-    """Inside this block a SIGTERM or SIGINT first ends every child group,
+    """Inside this block a SIGTERM, SIGINT or SIGHUP first ends every child group,
     then acts as it did before (one the process ignores stays ignored);
     leaving the block ends the groups still running.  Signal handlers belong to the main thread: elsewhere only the
     ending on leaving applies."""

@@ -244,15 +244,13 @@ def cmd_build_wheel(args: argparse.Namespace) -> int:
             wheel.upstream_version(source)
         except wheel.WheelBuildError as exc:
             raise CommandError(f"--vllm-wheel: {exc}", EXIT_USAGE) from exc
-    with atomic.interruptions_unwind():
-        return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
+    return wheel.run(args.vllm_wheel, args.vllm, args.out, args.build_number, args.index_url)
 
 
 def cmd_review(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import review
 
-    with atomic.interruptions_unwind():  # a download into the cache is cleaned up
-        return review.run(args.vllm, args.vllm_wheel, args.against, args.index_url)
+    return review.run(args.vllm, args.vllm_wheel, args.against, args.index_url)
 
 
 # -- the parser -------------------------------------------------------------------------
@@ -449,13 +447,13 @@ def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
         "Copies an upstream vLLM wheel byte for byte, adds this package with its plugin\n"
         "entry point, and names the result vllm-<version>+mlafixes.<plugin version>.\n"
         "The wheel is written under a temporary name and checked (zip, RECORD, version)\n"
-        "before it takes its final name: a failed or interrupted build (Ctrl-C, SIGTERM)\n"
-        "leaves the output folder as it was.",
+        "before it takes its final name: a failed or interrupted build (Ctrl-C, SIGTERM,\n"
+        "SIGHUP from a closed terminal) leaves the output folder as it was.",
         exit_codes(
             "0  the wheel is written (its path and sha256 are printed)",
             "1  the build failed: download, sha256, or wheel contents (one line says why)",
             "2  bad arguments (a version, URL, build number or path; checked before any download)",
-            "130, 143  interrupted by Ctrl-C or SIGTERM; nothing was written",
+            "129, 130, 143  interrupted by SIGHUP, Ctrl-C or SIGTERM; nothing was written",
         ),
     )
     source = build.add_mutually_exclusive_group(required=True)
@@ -496,7 +494,7 @@ def _add_review_parser(sub: argparse._SubParsersAction) -> None:
             "0  nothing to review",
             "1  something changed, or the release needs a review",
             "2  bad arguments, or the review cannot run (no such release, network)",
-            "130, 143  interrupted by Ctrl-C or SIGTERM",
+            "129, 130, 143  interrupted by SIGHUP, Ctrl-C or SIGTERM",
         ),
     )
     release = review.add_mutually_exclusive_group(required=True)
@@ -558,7 +556,11 @@ def _flush_or_say(prog: str) -> None:
 def _run(args: argparse.Namespace, prog: str, as_json: bool) -> int:
     """The command's exit status; every failure as one line (:func:`_fail`)."""
     try:
-        return args.func(args)
+        # Every command unwinds on SIGINT, SIGTERM and SIGHUP alike: the files
+        # it is writing (a cache entry, a wheel, a report) are removed, its
+        # children ended (children.supervised passes the signal on to here).
+        with atomic.interruptions_unwind():
+            return args.func(args)
     except CommandError as exc:
         return _fail(prog, str(exc), exc.exit_status, as_json)
     except StdoutFailed as exc:
