@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from subprocess import CompletedProcess
 from types import FrameType
 
 from vllm_mla_fixes.atomic import STOPPING_SIGNALS
@@ -128,11 +129,51 @@ def supervised() -> Iterator[None]:
         end_all()
 
 
+def run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> CompletedProcess:
+    """Run the command ``argv`` to its end as a supervised child: it leads a
+    session (and process group) of its own, which is ended whole when this
+    process is stopped (:func:`supervised`), when it runs past ``timeout``
+    seconds (``subprocess.TimeoutExpired``), and once it has exited (anything
+    it left behind).  What it prints is returned as text.  A child that is
+    this package's module takes ``--watch-parent PID`` and calls
+    :func:`watch_parent`, so that it ends when this process dies unwarned."""
+    import subprocess
+    import tempfile
+
+    with (
+        tempfile.TemporaryFile("w+") as out,  # files, not pipes: nothing blocks on a full pipe
+        tempfile.TemporaryFile("w+") as err,
+        supervised(),
+    ):
+        child = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+        )
+        # A stopping signal before this line misses it: its watchdog
+        # (--watch-parent) ends it once this process has gone.
+        register(child.pid)
+        try:
+            finished = exited(child.pid, timeout)  # unreaped: its group can still be ended
+        finally:
+            end_group(child.pid)
+            child.wait(REAP_TIMEOUT_S)
+        if not finished:
+            raise subprocess.TimeoutExpired(argv, timeout)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read())
+
+
 def lead_group_and_watch(parent: int) -> None:
     """In a child (a ``multiprocessing`` worker), first: lead a session (and
     process group) of its own, so that the parent ends it whole, with what it
     starts; and end that group if ``parent`` dies (a watchdog thread)."""
     os.setsid()
+    watch_parent(parent)
+
+
+def watch_parent(parent: int) -> None:
+    """In a child that leads its own group (started by :func:`run`): end that
+    group as soon as ``parent`` is gone (a watchdog thread)."""
     watchdog = threading.Thread(
         target=_end_group_when_orphaned, args=(parent,), name="parent-watchdog", daemon=True
     )

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_mla_fixes import atomic
+from vllm_mla_fixes import atomic, children
 
 if TYPE_CHECKING:  # imported at run time by prepare(), after the environment is set
     import torch
@@ -731,13 +731,12 @@ def _child(args: list[str], timeout: float) -> tuple[dict | None, str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        watch = ("--watch-parent", str(os.getpid()))
         try:
-            proc = subprocess.run(
-                [sys.executable, "-W", "ignore", "-m", __name__, *args, "--json", out],
-                env=env,
-                capture_output=True,
-                text=True,
+            proc = children.run(
+                [sys.executable, "-W", "ignore", "-m", __name__, *args, *watch, "--json", out],
                 timeout=timeout,
+                env=env,
             )
         except subprocess.TimeoutExpired:
             return None, f"no result within {timeout:.0f} s"
@@ -826,7 +825,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         help="only evaluate the fix's gate, apply and revert it (no compiling)",
     )
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--watch-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.watch_parent is not None:  # started by verify: ends with it
+        children.watch_parent(args.watch_parent)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.gate:
         result = gate()

@@ -319,6 +319,7 @@ def summary_markdown(cells: list[Cell]) -> str:
 
 
 COMMAND = "vllm-mla-fixes status --json --truth-table"
+DERIVE_TIMEOUT_S = 3600.0  # a few minutes on a CPU; far past that it is stuck
 
 
 def _cache_file() -> Path | None:
@@ -383,13 +384,16 @@ def for_status(compute: bool) -> dict[str, Any]:
         }
     import subprocess
 
-    done = subprocess.run(
-        [sys.executable, "-m", __name__],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        check=False,
-    )
+    from vllm_mla_fixes import children
+
+    try:
+        done = children.run(
+            [sys.executable, "-m", __name__, "--watch-parent", str(os.getpid())],
+            timeout=DERIVE_TIMEOUT_S,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )
+    except subprocess.TimeoutExpired:
+        return {"cells": None, "source": f"could not derive it within {DERIVE_TIMEOUT_S:g} s"}
     if done.returncode != 0:
         tail = [line for line in done.stderr.splitlines() if line.strip()][-1:]
         return {
@@ -417,7 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("sm120", "sm121", "both"), default="both", help="devices to cover"
     )
+    parser.add_argument("--watch-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.watch_parent is not None:  # started by status: ends with it
+        from vllm_mla_fixes import children
+
+        children.watch_parent(args.watch_parent)
     chosen = {"sm120": ((12, 0),), "sm121": ((12, 1),), "both": CAPABILITIES}[args.device]
     with contextlib.redirect_stdout(sys.stderr):  # vLLM's logging stays off the table
         cells = truth_table(chosen)
