@@ -172,7 +172,7 @@ ARGUMENT_CASES = [
     case(
         "build-wheel --vllm 0.25.1 --build-number -3",
         2,
-        "argument --build-number: -3 is negative (allowed: 0 or more)",
+        "argument --build-number: -3 is negative (allowed: 0 to 999999)",
     ),
     case("build-wheel --vllm 0.25.1 --build-number two", 2, "'two' is not a whole number"),
     case("build-wheel --vllm 0.25.1 --build-number 1.5", 2, "'1.5' is not a whole number"),

@@ -6,8 +6,10 @@ checks return that message."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import re
 import tempfile
 import urllib.parse
 from pathlib import Path
@@ -94,32 +96,60 @@ def _host_and_port(text: str, parts: urllib.parse.SplitResult) -> None:
 def _integer(text: str) -> int:
     try:
         return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    except ValueError:  # also a number of more digits than int() reads
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
 
 
-def non_negative_int(text: str) -> int:
-    number = _integer(text)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{number} is negative (allowed: 0 or more)")
-    return number
+@dataclasses.dataclass(frozen=True)
+class WholeNumber:
+    """An option's whole number in ``low`` to ``high``: every count has a range
+    a run can use (processes, tokens), checked before any work."""
+
+    low: int
+    high: int
+
+    def __call__(self, text: str) -> int:
+        allowed = f"allowed: {self.low} to {self.high}"
+        huge = re.fullmatch(r"\s*([+-]?)\d{19,}\s*", text)  # beyond every range (and int())
+        if huge:
+            what = "too small" if huge[1] == "-" else "too large"
+            raise argparse.ArgumentTypeError(f"{text.strip()[:20]}... is {what} ({allowed})")
+        number = _integer(text)
+        if number < self.low:
+            what = "negative" if number < 0 and self.low == 0 else "not positive"
+            raise argparse.ArgumentTypeError(f"{number} is {what} ({allowed})")
+        if number > self.high:
+            raise argparse.ArgumentTypeError(f"{text[:40]} is too large ({allowed})")
+        return number
 
 
-def positive_int(text: str) -> int:
-    number = _integer(text)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number} is not positive (allowed: 1 or more)")
-    return number
+# The longest time an option may name: a week, far below what the waits it
+# reaches accept (poll() takes at most 2**31-1 ms, about 24.8 days; threading
+# about 292 years), so no wait fails with OverflowError part-way.
+MAX_SECONDS = 7 * 24 * 3600
 
 
-def positive_seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
-    return seconds
+@dataclasses.dataclass(frozen=True)
+class Seconds:
+    """An option's time: more than 0, at most :data:`MAX_SECONDS`."""
+
+    high: float = MAX_SECONDS
+
+    def __call__(self, text: str) -> float:
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+        allowed = (
+            f"allowed: more than 0, at most {self.high:g} seconds ({self.high / 86400:g} days)"
+        )
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise argparse.ArgumentTypeError(
+                f"{text[:40]} is not a positive, finite number of seconds ({allowed})"
+            )
+        if seconds > self.high:
+            raise argparse.ArgumentTypeError(f"{text[:40]} seconds is too long ({allowed})")
+        return seconds
 
 
 # Output paths are checked before a command's long work (a self-test runs for

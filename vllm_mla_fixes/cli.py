@@ -411,9 +411,9 @@ def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
     smoke_cmd.add_argument("--model", help="the served model name (default: the first listed)")
     smoke_cmd.add_argument(
         "--max-tokens",
-        type=arguments.positive_int,
+        type=arguments.WholeNumber(1, 1_000_000),
         default=32,
-        help="tokens per answer, 1 or more (default: 32)",
+        help="tokens per answer, 1 to 1000000 (default: 32)",
     )
     smoke_cmd.add_argument(
         "--api-key",
@@ -423,15 +423,16 @@ def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
     )
     smoke_cmd.add_argument(
         "--timeout",
-        type=arguments.positive_seconds,
+        type=arguments.Seconds(),
         default=120.0,
-        help="seconds each request may take (default: 120)",
+        help=f"seconds each request may take, at most {arguments.MAX_SECONDS} (default: 120)",
     )
     smoke_cmd.add_argument(
         "--deadline",
-        type=arguments.positive_seconds,
+        type=arguments.Seconds(),
         default=300.0,
-        help="seconds the whole check may take; requests past it are not run (default: 300)",
+        help=f"seconds the whole check may take, at most {arguments.MAX_SECONDS}; requests past "
+        "it are not run (default: 300)",
     )
     smoke_cmd.add_argument(
         "--json", action="store_true", help="print only the JSON report on stdout"
@@ -467,10 +468,10 @@ def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--out", default="dist", help="output folder (default: dist)")
     build.add_argument(
         "--build-number",
-        type=arguments.non_negative_int,
+        type=arguments.WholeNumber(0, 999_999),
         default=None,
         metavar="N",
-        help="append .buildN (N: 0 or more) to the version, for a rebuild of the same vLLM "
+        help="append .buildN (N: 0 to 999999) to the version, for a rebuild of the same vLLM "
         "and plugin versions (default: none)",
     )
     build.add_argument(

@@ -8,7 +8,7 @@ from bad_input_runs import case
 
 COMMANDS = ("selftest",)
 ARGUMENT_CASES = [
-    case("selftest --jobs 0", 2, "argument --jobs: 0 is not positive (allowed: 1 or more)"),
+    case("selftest --jobs 0", 2, "argument --jobs: 0 is not positive (allowed: 1 to 256)"),
     case("selftest --jobs -1", 2, "argument --jobs: -1 is not positive"),
     case("selftest --jobs many", 2, "argument --jobs: 'many' is not a whole number"),
     case("selftest --json --jobs 0", 2, "argument --jobs: 0 is not positive"),

@@ -157,9 +157,9 @@ def _add_selftest_parser(commands: Commands) -> None:
     )
     selftest.add_argument(
         "--jobs",
-        type=arguments.positive_int,
+        type=arguments.WholeNumber(1, 256),
         default=None,
-        help="geometries run in parallel processes, 1 or more (CPU only, default: cores; "
+        help="geometries run in parallel processes, 1 to 256 (CPU only, default: cores; "
         "on a GPU they run one after another, each in a process of its own)",
     )
     selftest.add_argument(
@@ -169,12 +169,13 @@ def _add_selftest_parser(commands: Commands) -> None:
     )
     selftest.add_argument(
         "--geometry-timeout",
-        type=arguments.positive_seconds,
+        type=arguments.Seconds(),
         default=None,
         metavar="SECONDS",
         help="stop a geometry's process still running after SECONDS and report it hung "
         "(where geometries run in processes of their own: on a GPU, or with --jobs above 1; "
-        "default 1800, room for a first run's JIT build of FlashInfer's SM120 kernels)",
+        "default 1800, room for a first run's JIT build of FlashInfer's SM120 kernels; "
+        f"at most {arguments.MAX_SECONDS})",
     )
     selftest.add_argument(
         "--report",
