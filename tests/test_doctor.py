@@ -63,19 +63,30 @@ def test_glm_line_on_025_is_covered_and_enforce_eager_is_called_out():
     assert (report["verdict"], report["exit_status"], proc.returncode) == ("READY", 0, 0)
 
 
+# As an operator may set it (issue 43): a space after a comma, which vLLM keeps
+# (so " mla_fixes" is another name), an escape sequence and a byte that is not UTF-8.
+HOSTILE_PLUGINS = "lora_filesystem_resolver, mla_fixes,\x1b[31m\udcff"
+
+
 @pytest.mark.vllm_release("0.25.1")
 def test_glm_line_without_the_plugin_is_an_error_with_the_way_out():
-    proc = run_doctor("--", *GLM_LINE, VLLM_PLUGINS="lora_filesystem_resolver")
+    proc = run_doctor("--", *GLM_LINE, VLLM_PLUGINS=HOSTILE_PLUGINS)
     assert proc.returncode == 2
+    assert proc.stdout.isascii() and "\x1b" not in proc.stderr  # nothing raw reaches a terminal
     verdict = proc.stdout.splitlines()[-1]
-    assert verdict.startswith("WILL FAIL: environment: VLLM_PLUGINS='lora_filesystem_resolver'")
+    assert verdict.startswith(
+        "WILL FAIL: environment: VLLM_PLUGINS='lora_filesystem_resolver, mla_fixes,"
+        "\\x1b[31m\\udcff' excludes this plugin (vLLM splits it at commas and keeps the spaces"
+    ), verdict
     assert "[FAIL] fp8-ds-mla-reshape: vLLM 0.25.1 + sparse MLA" in proc.stdout
-    remedy = "export VLLM_PLUGINS=lora_filesystem_resolver,mla_fixes"
-    assert remedy in proc.stdout
-    # The remedy works: with that setting vLLM's loader applies the fix.
+    # One shell word, the spaces gone, the bytes escaped as bash reads them back.
+    remedy = "export VLLM_PLUGINS=$'lora_filesystem_resolver,mla_fixes,\\x1b[31m\\xff'"
+    assert f"-> {remedy}   (or unset VLLM_PLUGINS" in proc.stdout
+    # The remedy works: run by bash, then vLLM's loader applies the fix.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     status = subprocess.run(
-        [sys.executable, "-m", "vllm_mla_fixes", "status", "--json"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "VLLM_PLUGINS": remedy.split("=", 1)[1]},
+        ["bash", "-c", f'{remedy} && exec "$0" -m vllm_mla_fixes status --json', sys.executable],
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
         capture_output=True,
         text=True,
         timeout=300,

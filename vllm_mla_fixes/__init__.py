@@ -122,7 +122,8 @@ def _why_not_evaluated() -> str:
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         # vLLM's loader takes exactly the names VLLM_PLUGINS lists, split at commas
         return (
-            f"not loaded: VLLM_PLUGINS={allowed!r} does not name {PLUGIN_NAME}, so vLLM does "
+            f"not loaded: VLLM_PLUGINS={settings.shown(allowed)} does not name {PLUGIN_NAME}, "
+            "so vLLM does "
             f"not load this plugin; add {PLUGIN_NAME} to it, or unset it to load every plugin"
         )
     return "not evaluated: the plugin has not run in this process"

@@ -51,7 +51,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _one_line(message: str) -> str:
-    return " ".join(message.split())
+    """One line, safe for a terminal (an echoed value may hold control characters)."""
+    return settings.terminal_line(" ".join(message.split()))
 
 
 def _fail(prog: str, message: str, exit_status: int, as_json: bool) -> int:
@@ -166,7 +167,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"vLLM {vllm_mla_fixes.installed_vllm_version()}, {PROG} {vllm_mla_fixes.__version__}")
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        print(f"  {r['name']:<{width}}  {r['state']}: {r['reason']}")
+        print(settings.terminal_line(f"  {r['name']:<{width}}  {r['state']}: {r['reason']}"))
     if not readings:
         print(f"settings: none set (every {settings.PREFIX}* variable at its default)")
     else:

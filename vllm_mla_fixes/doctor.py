@@ -25,6 +25,7 @@ from vllm_mla_fixes import __version__, serve_line, settings
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import release_decision
 from vllm_mla_fixes.report import (
+    PLUGIN,
     Environment,
     Finding,
     ServeLine,
@@ -33,6 +34,8 @@ from vllm_mla_fixes.report import (
     plugins_advice,
     release_finding,
     runs_elsewhere,
+    shell_word,
+    spaced_note,
 )
 
 READY = "READY"
@@ -325,12 +328,13 @@ def environment_findings(env: Environment) -> list[Finding]:
                 "run doctor with the Python environment that runs `vllm serve`",
             )
         )
-    if env.vllm_plugins is not None and "mla_fixes" not in env.vllm_plugins.split(","):
+    if env.vllm_plugins is not None and PLUGIN not in env.vllm_plugins.split(","):
         findings.append(
             Finding(
                 "error",
                 "environment",
-                f"VLLM_PLUGINS={env.vllm_plugins!r} excludes this plugin",
+                f"VLLM_PLUGINS={settings.shown(env.vllm_plugins)} excludes this plugin"
+                f"{spaced_note(env.vllm_plugins)}",
                 plugins_advice(env.vllm_plugins),
             )
         )
@@ -466,7 +470,7 @@ def _offline_finding(argv: list[str], model: str) -> Finding:
         f"cannot check the model's config: offline (HF_HUB_OFFLINE or no network); pass a "
         f"local path (the model's folder, or one holding just its config.json) in place of "
         f"{model}; meanwhile the model is judged by its name",
-        f"vllm-mla-fixes doctor -- vllm serve {shlex.join(local)}".replace(
+        f"vllm-mla-fixes doctor -- vllm serve {' '.join(shell_word(arg) for arg in local)}".replace(
             shlex.quote(LOCAL_MODEL_PLACEHOLDER), LOCAL_MODEL_PLACEHOLDER
         ),
     )
@@ -581,9 +585,9 @@ def report(
                 indent=2,
             )
         )
-    else:
-        _print_human(env, serve, findings, print_)
-        print_(judged.line())
+    else:  # every line safe for a terminal, whatever the operator set
+        _print_human(env, serve, findings, lambda line: print_(settings.terminal_line(line)))
+        print_(settings.terminal_line(judged.line()))
     return judged.exit_status
 
 
@@ -604,16 +608,15 @@ def _print_human(
     )
     print_(f"  {'GPU':<22} {gpu}")
     print_(f"  {'torch CUDA':<22} {env.torch_cuda or '-'}")
-    print_(
-        f"  {'VLLM_PLUGINS':<22} {env.vllm_plugins if env.vllm_plugins is not None else '(unset: all plugins)'}"
-    )
-    print_(f"  {'VLLM_MLA_FIXES':<22} {env.mla_fixes or '(unset: all)'}")
+    plugins = settings.plain(env.vllm_plugins) if env.vllm_plugins is not None else None
+    print_(f"  {'VLLM_PLUGINS':<22} {plugins or '(unset: all plugins)'}")
+    print_(f"  {'VLLM_MLA_FIXES':<22} {settings.plain(env.mla_fixes or '') or '(unset: all)'}")
     for name in env.fix_states:
         print_(f"  fix {name:<18} {env.fix_state(name)}: {env.fix_reason(name)}")
     if serve is not None:
-        print_(f"Serve line: vllm serve {shlex.join(serve.raw)}")
+        print_(f"Serve line: vllm serve {' '.join(shell_word(arg) for arg in serve.raw)}")
         architecture = ", ".join(serve.architectures) or "architecture unknown"
-        print_(f"  model {serve.model} ({architecture}; {serve.model_source})")
+        print_(f"  model {settings.plain(str(serve.model))} ({architecture}; {serve.model_source})")
     print_("Findings")
     marks = {"ok": "ok  ", "info": "info", "warn": "WARN", "error": "FAIL"}
     for f in findings:

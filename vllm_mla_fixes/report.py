@@ -1,7 +1,7 @@
 """What ``doctor`` hands each fix's ``diagnose(env, serve)`` and gets back.
 
-A leaf module (it imports nothing of this package): the fix modules and ``doctor`` both
-import it, and it imports neither.
+A leaf module (of this package it imports only ``settings``, itself a leaf): the fix
+modules and ``doctor`` both import it, and it imports neither.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
+
+from vllm_mla_fixes import settings
 
 if TYPE_CHECKING:  # for annotations only: at run time this module imports none of the package
     from vllm_mla_fixes.patching import FixStatus
@@ -160,12 +162,12 @@ def fix_verdict(env: Environment, name: str) -> Finding:
         return Finding(
             "error", name, "vllm-mla-fixes is not installed where vLLM runs", install_advice()
         )
-    if env.vllm_plugins is not None and "mla_fixes" not in env.vllm_plugins.split(","):
+    if env.vllm_plugins is not None and PLUGIN not in env.vllm_plugins.split(","):
         return Finding(
             "error",
             name,
-            f"VLLM_PLUGINS={env.vllm_plugins!r} does not name mla_fixes, "
-            "so vLLM never loads the fix",
+            f"VLLM_PLUGINS={settings.shown(env.vllm_plugins)} does not name {PLUGIN}"
+            f"{spaced_note(env.vllm_plugins)}, so vLLM never loads the fix",
             plugins_advice(env.vllm_plugins),
         )
     where = f"on {serving_node}" if serving_node else "here"
@@ -237,7 +239,47 @@ def install_advice() -> str:
     return "install vllm-mla-fixes into this environment (see its README)"
 
 
+PLUGIN = "mla_fixes"  # this package's entry point name, as VLLM_PLUGINS names it
+
+
+def spaced_note(vllm_plugins: str) -> str:
+    """Why a VLLM_PLUGINS that seems to name the plugin does not: vLLM splits
+    it at commas and keeps the spaces (``"other, mla_fixes"``)."""
+    if any(name.strip() == PLUGIN for name in vllm_plugins.split(",")):
+        return f" (vLLM splits it at commas and keeps the spaces: ' {PLUGIN}' is another name)"
+    return ""
+
+
 def plugins_advice(vllm_plugins: str) -> str:
-    """The VLLM_PLUGINS setting that keeps the named plugins and loads this one."""
-    plugins = ",".join(p for p in (*vllm_plugins.split(","), "mla_fixes") if p)
-    return f"export VLLM_PLUGINS={plugins}   (or unset VLLM_PLUGINS: then vLLM loads every plugin)"
+    """The VLLM_PLUGINS setting that keeps the plugins named (without the
+    spaces vLLM would keep) and loads this one, as one shell word."""
+    names = dict.fromkeys(n for n in (*(p.strip() for p in vllm_plugins.split(",")), PLUGIN) if n)
+    return (
+        f"export VLLM_PLUGINS={shell_word(','.join(names))}   "
+        "(or unset VLLM_PLUGINS: then vLLM loads every plugin)"
+    )
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word that means exactly ``text``: ``shlex.quote``
+    where every character prints, else bash's ``$'...'`` with escapes, so no
+    control character reaches the terminal.  A byte the environment did not
+    decode (held as a surrogate escape) becomes that byte again."""
+    if text.isprintable():
+        return shlex.quote(text)
+    escaped = []
+    for character in text:
+        code = ord(character)
+        if 0xDC80 <= code <= 0xDCFF:  # os.environ's surrogateescape of byte code - 0xDC00
+            escaped.append(f"\\x{code - 0xDC00:02x}")
+        elif character in "\\'":
+            escaped.append(f"\\{character}")
+        elif character.isprintable():
+            escaped.append(character)
+        elif code < 0x100:
+            escaped.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            escaped.append(f"\\u{code:04x}")
+        else:
+            escaped.append(f"\\U{code:08x}")
+    return "$'" + "".join(escaped) + "'"

@@ -49,6 +49,9 @@ def _fix_names() -> tuple[str, ...]:
     return _declared_fix_names
 
 
+UNKNOWN_LISTED = 5  # a long list is cut: the message stays a line
+
+
 def _fix_selection(raw: str) -> frozenset[str]:
     text = raw.lower()
     if text == "all":
@@ -64,9 +67,11 @@ def _fix_selection(raw: str) -> frozenset[str]:
     if keywords:
         problems.append(f"{' and '.join(repr(k) for k in keywords)} must stand alone")
     if unknown:
+        listed = ", ".join(shown(n) for n in unknown[:UNKNOWN_LISTED])
+        more = len(unknown) - UNKNOWN_LISTED
         problems.append(
-            f"unknown fix name{'s' if len(unknown) > 1 else ''} "
-            + ", ".join(repr(n) for n in unknown)
+            f"unknown fix name{'s' if len(unknown) > 1 else ''} {listed}"
+            + (f" and {more} more" if more > 0 else "")
         )
     if problems:
         raise ValueError("; ".join(problems))
@@ -183,16 +188,16 @@ class Reading:
 
     def describe(self) -> str:
         """One line: the value in force, or what is wrong and what applies instead."""
-        shown = _shown(self.raw)
+        value = shown(self.raw)
         if self.setting is None:
             return (
-                f"{self.name}={shown}: not a setting of vllm-mla-fixes, which reads "
+                f"{self.name}={value}: not a setting of vllm-mla-fixes, which reads "
                 f"{', '.join(s.name for s in SETTINGS)}"
             )
         if self.problem is None:
-            return f"{self.name}={shown}"
+            return f"{self.name}={value}"
         return (
-            f"{self.name}={shown} is not allowed ({self.problem}); allowed: "
+            f"{self.name}={value} is not allowed ({self.problem}); allowed: "
             f"{self.setting.allowed}; ignored, so the default applies: {self.setting.default}"
         )
 
@@ -211,12 +216,27 @@ class Reading:
 SHOWN_CHARACTERS = 120
 
 
-def _shown(raw: str) -> str:
-    """A value as one readable line: repr (no control or unencodable
-    characters reach a log), cut where it is longer than a line."""
+def shown(raw: str) -> str:
+    """A value an operator set, as one readable line: repr (no control or
+    unencodable characters reach a terminal or a log), cut where it is longer
+    than a line."""
     if len(raw) <= SHOWN_CHARACTERS:
         return repr(raw)
     return f"{raw[:SHOWN_CHARACTERS]!r}... ({len(raw)} characters)"
+
+
+def terminal_line(text: str) -> str:
+    """``text`` with each character that does not print (an escape sequence,
+    an undecodable byte) written as its escape: a line safe for a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def plain(text: str) -> str:
+    """``text`` as it is where every character prints and it fits a line,
+    else as :func:`shown` gives it."""
+    return text if text.isprintable() and len(text) <= SHOWN_CHARACTERS else shown(text)
 
 
 def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading | None:
