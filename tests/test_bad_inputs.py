@@ -144,6 +144,7 @@ ARGUMENT_CASES = [
     case("smoke localhost:8000", 2, "'localhost:8000' is not an http:// or https:// URL"),
     case("smoke ftp://localhost/", 2, "'ftp://localhost/' is not an http:// or https:// URL"),
     case("smoke http://", 2, "'http://' names no host"),
+    Case(("smoke", "http://local host"), 2, "'local host' is not a host name or address"),
     case("smoke {closed} --timeout -1", 2, "argument --timeout: -1 is not a positive"),
     case("smoke {closed} --timeout 0", 2, "argument --timeout: 0 is not a positive"),
     case("smoke {closed} --timeout soon", 2, "argument --timeout: 'soon' is not a number"),

@@ -154,3 +154,17 @@ def test_selftest_refuses_a_report_path_before_any_work(report, says, tmp_path):
     proc = cli("selftest", "--report", report, cwd=tmp_path)
     assert_one_error(proc, 2, says.format(tmp=tmp_path))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_relative_xdg_cache_home_is_ignored_and_a_relative_home_is_named(monkeypatch, tmp_path):
+    """The XDG spec ignores a relative XDG_CACHE_HOME; a relative HOME leaves
+    no cache folder, and the message says which setting gives one."""
+    from vllm_mla_fixes import screen_cache
+
+    monkeypatch.delenv("VLLM_MLA_FIXES_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert screen_cache.cache_dir() == tmp_path / ".cache" / "vllm-mla-fixes" / "screens"
+    monkeypatch.setenv("HOME", "relative-home")
+    with pytest.raises(OSError, match="HOME is not absolute.*set VLLM_MLA_FIXES_CACHE_DIR"):
+        screen_cache.cache_dir()

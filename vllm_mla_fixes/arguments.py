@@ -85,6 +85,10 @@ def api_key(text: str) -> str:
 def _host_and_port(text: str, parts: urllib.parse.SplitResult) -> None:
     if not parts.hostname:
         raise argparse.ArgumentTypeError(f"{text!r} names no host")
+    if not re.fullmatch(r"[\w.~%:-]+", parts.hostname, re.ASCII):  # a space, a quote
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {parts.hostname!r} is not a host name or address"
+        )
     try:
         port = parts.port  # raises for a port that is not a number in 0-65535
     except ValueError:

@@ -128,6 +128,9 @@ def logs_to_stderr() -> Iterator[None]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    asked = [o for o in args.json_only if getattr(args, o.lstrip("-").replace("-", "_"))]
+    if asked and not args.json:  # before the work, not ignored after it
+        raise CommandError(f"{asked[0]} adds to the JSON document: give --json too", EXIT_USAGE)
     if vllm_mla_fixes.installed_vllm_version() is None:
         raise CommandError(
             "vLLM is not installed in this environment, so no fix can apply; install "
@@ -295,6 +298,8 @@ class Commands:
 
     subcommands: argparse._SubParsersAction
     status: argparse.ArgumentParser
+    # status options that add to its JSON document only: without --json, refused
+    status_json_only: list[str] = dataclasses.field(default_factory=list)
 
     def add(
         self,
@@ -324,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_parser(sub)
     _add_doctor_parser(sub)
     commands = Commands(sub, status)
+    status.set_defaults(json_only=commands.status_json_only)  # filled by the fixes below
     for module in ALL_FIXES:
         module.add_commands(commands)
     _add_smoke_parser(sub)

@@ -43,9 +43,14 @@ def cache_dir() -> Path:
     configured = settings.value(settings.CACHE_DIR)
     if configured is not None:
         return configured
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path(os.path.expanduser("~"), ".cache"))
-    if not base.is_absolute():  # "~" unresolved, or a relative XDG_CACHE_HOME
-        raise OSError(f"no absolute cache folder: {str(base)!r}")
+    # The XDG spec: a relative XDG_CACHE_HOME is invalid and is ignored.
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path(os.path.expanduser("~"), ".cache")
+    if not base.is_absolute():  # a relative HOME, or none
+        raise OSError(
+            f"no absolute cache folder ({str(base)!r}: HOME is not absolute); set "
+            f"{settings.CACHE_DIR.name} to an absolute folder"
+        )
     return base / "vllm-mla-fixes" / "screens"
 
 

@@ -22,6 +22,7 @@ ARGUMENT_CASES = [
     case("selftest --bogus", 2, "unrecognized arguments: --bogus"),
     case("selftest --json --report {root}", 2, "--report '{root}': it is a folder; give a file"),
     case("selftest --report {text}/report.json", 2, "its folder does not exist"),
+    case("status --truth-table", 2, "--truth-table adds to the JSON document: give --json too"),
 ]
 GEOMETRY = "VLLM_MLA_FIXES_DSV41_GEOMETRY"
 DRAFTER = "VLLM_MLA_FIXES_DSV41_DRAFTER_SWA_ROWS"

@@ -185,3 +185,16 @@ def test_doctor_json_carries_the_line_decision(request):
     assert facts["at_max_model_len"] == 4096 and facts["fix_tokens_per_gib"] > 0
     if expected[0]:
         assert facts["vs_upstream"] is not None and facts["vs_upstream"] < 1.02
+
+
+@pytest.mark.vllm_release(*covered(DSV41))
+def test_status_says_why_no_table_is_kept_where_there_is_no_cache_folder(monkeypatch):
+    """A relative HOME (issue 43) used to make status call a covered release
+    not covered."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table
+
+    monkeypatch.delenv("VLLM_MLA_FIXES_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "relative-home")
+    source = truth_table.for_status(compute=False)["source"]
+    assert source.startswith("no cache to keep it in: no absolute cache folder"), source

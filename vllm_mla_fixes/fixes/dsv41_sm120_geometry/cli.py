@@ -125,6 +125,7 @@ def add_commands(commands: Commands) -> None:
         help="with --json: derive the DeepSeek-V4.1 truth table of this install if it is not\n"
         "kept yet (a few minutes on CPU, once per installed vLLM), and include it",
     )
+    commands.status_json_only.append("--truth-table")
     _add_selftest_parser(commands)
 
 

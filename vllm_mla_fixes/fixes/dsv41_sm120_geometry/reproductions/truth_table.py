@@ -322,12 +322,15 @@ COMMAND = "vllm-mla-fixes status --json --truth-table"
 DERIVE_TIMEOUT_S = 3600.0  # a few minutes on a CPU; far past that it is stuck
 
 
-def _cache_file() -> Path | None:
+NOT_COVERED = "not a release the DeepSeek-V4.1 fix covers"
+
+
+def _cache_file() -> Path | str:
     """Where the installed build's table is kept, keyed by what deriving it
     reads: the bytes of every kernel declaration file the envelopes were read
     from, of vLLM's sources the fix reviews, and of this package's
-    DeepSeek-V4.1 code, with vLLM's and FlashInfer's versions; None outside
-    the covered releases or where the key cannot be made."""
+    DeepSeek-V4.1 code, with vLLM's and FlashInfer's versions; else why there
+    is none (outside the covered releases, no cache folder)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from vllm_mla_fixes import screen_cache
@@ -337,9 +340,9 @@ def _cache_file() -> Path | None:
         installed = version("vllm")
         flashinfer = version("flashinfer-python")
     except PackageNotFoundError:
-        return None
+        return NOT_COVERED
     if installed not in fix.INFO.covered_releases:
-        return None
+        return NOT_COVERED
     fix_folder = Path(__file__).resolve().parents[1]  # its reproductions and self-test too
     sources = sorted(fix_folder.rglob("*.py"))
     digest = hashlib.sha256()
@@ -350,8 +353,7 @@ def _cache_file() -> Path | None:
         digest.update(screen_cache.screen_key(gate).encode())
         folder = screen_cache.cache_dir()
     except (OSError, ValueError) as exc:
-        logging.getLogger("vllm.mla_fixes").debug("truth-table cache not used: %s", exc)
-        return None
+        return f"no cache to keep it in: {exc}"
     key = f"{installed}-{flashinfer}-{digest.hexdigest()[:24]}"
     return folder / "truth-tables" / f"{key}.json"
 
@@ -371,8 +373,8 @@ def for_status(compute: bool) -> dict[str, Any]:
     from the cache or (``compute``) derived now in a fresh interpreter and
     kept; else where they would come from."""
     cache = _cache_file()
-    if cache is None:
-        return {"cells": None, "source": "not a release the DeepSeek-V4.1 fix covers"}
+    if isinstance(cache, str):
+        return {"cells": None, "source": cache}
     cells = _cached_cells(cache)
     if cells is not None:
         return {"cells": cells, "source": str(cache)}
