@@ -181,5 +181,6 @@ def _add_selftest_parser(commands: Commands) -> None:
     selftest.add_argument(
         "--report",
         metavar="FILE",
-        help="also write the JSON report to FILE (whole, or not at all)",
+        help="also write the JSON report to FILE (whole, or not at all; a link to a regular file "
+        "is written through, the link kept; a folder, device, FIFO or socket is refused)",
     )
