@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 from bad_input_runs import operator_env
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered
 
 import vllm_mla_fixes
 from vllm_mla_fixes import children
 
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_covered())  # no vLLM in them but status's: one session
 
 PACKAGE = Path(vllm_mla_fixes.__file__).resolve().parent
 STARTS = re.compile(
@@ -140,7 +140,6 @@ def test_what_a_child_prints_comes_back():
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
 
 
-@pytest.mark.vllm_release(newest_covered())
 def test_status_truth_table_stopped_by_sigterm_leaves_no_derivation_running(tmp_path):
     """The case of issue 43: an empty cache folder, so status starts the
     derivation; SIGTERM to status once the derivation runs."""

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import DSV41, covered, newest
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
@@ -187,14 +187,12 @@ def test_doctor_json_carries_the_line_decision(request):
         assert facts["vs_upstream"] is not None and facts["vs_upstream"] < 1.02
 
 
-@pytest.mark.vllm_release(*covered(DSV41))
+@pytest.mark.vllm_release(newest(DSV41))
 def test_status_says_why_no_table_is_kept_where_there_is_no_cache_folder(monkeypatch):
     """A relative HOME (issue 43) used to make status call a covered release
     not covered."""
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table
-
     monkeypatch.delenv("VLLM_MLA_FIXES_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", "relative-home")
-    source = truth_table.for_status(compute=False)["source"]
+    source = table.for_status(compute=False)["source"]
     assert source.startswith("no cache to keep it in: no absolute cache folder"), source
