@@ -145,10 +145,12 @@ def measure(
     max_model_lens: tuple[int, ...],
     settings: repro.EngineSettings | None = None,
     fixed: bool = True,
+    model: dict | None = None,
 ) -> list[Row]:
     """Rows for one geometry: upstream (``fixed=False``), or the fix applied as
     on SM120, whose own decision picks the geometry for ``settings`` at each
-    max-model-len (its 2% rule is judged there)."""
+    max-model-len (its 2% rule is judged there); ``model``: a text config's
+    DeepSeek-V4.1 topology (DeepSeek-V4.1-Flash's where None)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
     rows = []
@@ -158,6 +160,7 @@ def measure(
             if plan is None or fixed:
                 plan = repro.plan_geometry(
                     block_size,
+                    model=model,
                     num_gpu_blocks_override=None,
                     settings=settings,
                     max_model_len=max_model_len,
