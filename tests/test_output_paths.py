@@ -165,6 +165,7 @@ def test_a_relative_xdg_cache_home_is_ignored_and_a_relative_home_is_named(monke
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     assert screen_cache.cache_dir() == tmp_path / ".cache" / "vllm-mla-fixes" / "screens"
+    monkeypatch.chdir(tmp_path)  # what a relative HOME resolves against
     monkeypatch.setenv("HOME", "relative-home")
     with pytest.raises(OSError, match="HOME is not absolute.*set VLLM_MLA_FIXES_CACHE_DIR"):
         screen_cache.cache_dir()

@@ -188,9 +188,10 @@ def test_doctor_json_carries_the_line_decision(request):
 
 
 @pytest.mark.vllm_release(newest(DSV41))
-def test_status_says_why_no_table_is_kept_where_there_is_no_cache_folder(monkeypatch):
+def test_status_says_why_no_table_is_kept_where_there_is_no_cache_folder(monkeypatch, tmp_path):
     """A relative HOME (issue 43) used to make status call a covered release
     not covered."""
+    monkeypatch.chdir(tmp_path)  # what resolves the relative HOME (FlashInfer logs there)
     monkeypatch.delenv("VLLM_MLA_FIXES_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", "relative-home")
