@@ -9,7 +9,7 @@ from typing import Any
 from . import bounds as bd
 from . import clock
 from . import kernels as kn
-from .layout import TinyModel
+from .layout import GEOMETRIES, TinyModel
 from .pairing import BASELINES, WHAT_IS_TIMED, DecodeTiming
 from .results import GeometryResult
 from .timed_step import TIMED_KERNELS, TIMED_STEP
@@ -167,6 +167,8 @@ class Report:
             "notes": self.notes,
             "isolated": self.isolated,
             "findings": self.findings(),
+            "verdict": self.verdict_line(),
+            "not_run": self.not_run(),
             "working_layouts": [r.geometry for r in self.working_layouts()],
             "kernels": dict(self.kernels.sources),
             "geometries": [
@@ -295,17 +297,44 @@ class Report:
                 "stand-ins on this device (their rows prove the layout against a "
                 "PyTorch model of the kernel, not the kernel): " + "; ".join(stand_ins)
             )
-        lines.append(
-            {
-                EXIT_OK: "verdict: PASS - the fix's geometries read back as written in every "
-                "serving case; the control was caught in every case",
-                EXIT_MISMATCH: "verdict: FAIL - do not serve DeepSeek-V4.1 with this stack; "
-                "attach this output (or --json) to a bug report",
-            }[self.exit_status]
-        )
+        lines.append(self.verdict_line())
         working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
         lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
         return "\n".join(lines)
+
+    def not_run(self) -> list[str]:
+        """The geometries this run has no result of, in the order they would run."""
+        ran = {r.geometry for r in self.results}
+        return [name for name in GEOMETRIES if name not in ran]
+
+    def verdict_line(self) -> str:
+        """The verdict, claiming only what the recorded results show, and
+        naming the geometries it rests on and those that did not run."""
+        verdicts = {r.geometry: geometry_verdict(r) for r in self.results}
+        roles = {r.geometry: r.role for r in self.results}
+        if self.exit_status == EXIT_MISMATCH:
+            wrong = [f"{name} {v}" for name, v in verdicts.items() if v in (FAIL, MISSED)]
+            line = (
+                f"verdict: FAIL ({', '.join(wrong)}) - do not serve DeepSeek-V4.1 with this "
+                "stack; attach this output (or --json) to a bug report"
+            )
+        else:
+            fix = [name for name, role in roles.items() if role == "fix"]
+            control = [name for name, role in roles.items() if role == "control"]
+            claims = []
+            if fix:
+                claims.append(
+                    f"the fix's {' and '.join(fix)} read back as written in every serving case"
+                )
+            if control:
+                claims.append(f"the {' and '.join(control)} was caught in every case")
+            line = (
+                "verdict: PASS - " + "; ".join(claims)
+                if claims
+                else "verdict: NOT RUN - none of the geometries a verdict rests on ran"
+            )
+        missing = self.not_run()
+        return line + (f"; not run: {', '.join(missing)}" if missing else "")
 
     def table_lines(self) -> list[str]:
         """One row per geometry and kernel, columns aligned."""
