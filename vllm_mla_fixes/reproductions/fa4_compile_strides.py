@@ -621,7 +621,9 @@ def scenario(
         for q in (129, 130, 300):
             record = run_step(env, Step((q,), (CONTEXT_TOKENS,)), "unpatched")
             result["calls"].append(record)
-            log(f"unpatched total_q={q}: {record['outcome']} {record.get('error', '')[:160]}")
+            log(
+                f"unpatched total_q={q}: {record['outcome']} {whole_words(record.get('error', ''), 160)}"
+            )
     status = apply_fix(env)
     result["fix"] = status
     log(f"fix: {status}")
@@ -633,7 +635,9 @@ def scenario(
         for q in (130, 300):
             record = run_step(env, Step((q,), (CONTEXT_TOKENS,)), "fixed")
             result["calls"].append(record)
-            log(f"fixed total_q={q}: {record['outcome']} {record.get('error', '')[:160]}")
+            log(
+                f"fixed total_q={q}: {record['outcome']} {whole_words(record.get('error', ''), 160)}"
+            )
     if sweep != "none":
         result["compiles"] += compile_warmup(
             env, "context" if sweep == "default" else "all", "fixed"
@@ -773,6 +777,14 @@ def verify(report: Callable[[str], None]) -> bool:
     return summarize(result, report)
 
 
+def whole_words(text: str, limit: int) -> str:
+    """``text``, or its words up to ``limit`` characters and an ellipsis: a
+    report line never ends in a cut word."""
+    if len(text) <= limit:
+        return text
+    return text[: limit + 1].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
+
+
 def summarize(result: dict, report: Callable[[str], None]) -> bool:
     """Report lines for a scenario result; whether it shows bug then fix."""
     calls = {(c["phase"], c["total_q"]): c for c in result["calls"]}
@@ -799,7 +811,9 @@ def summarize(result: dict, report: Callable[[str], None]) -> bool:
             if c.get("outcome") == "reached-launch"
             else ""
         )
-        report(f"fixed    total_q={q}: {c.get('outcome')} ({detail}{c.get('error', '')[:90]})")
+        report(
+            f"fixed    total_q={q}: {c.get('outcome')} ({detail}{whole_words(c.get('error', ''), 90)})"
+        )
         fixed &= c.get("outcome") == "reached-launch"
     sweep = result.get("sweep")
     if sweep:

@@ -15,11 +15,13 @@ from vllm_mla_fixes.patching import FixInfo
 
 INFO = FixInfo(
     name="dsv41-sm120-geometry",
-    summary="DeepSeek-V4.1 on SM120/SM121 (FLASHINFER_MLA_SPARSE_DSV41): --block-size 64 fails "
-    "'No common block size', 128 hands FlashInfer 32-token SWA pages and the indexer "
-    "128-state ratio-1 pages; fixed so every page holds 64 states, by default with 128-token "
-    "blocks and interleaved 64-state ratio-1 kernel pages (more KV capacity than upstream), "
-    "else per-ratio blocks",
+    # verify's header on every covered release: which block size fails, and how,
+    # differs between releases, so the verifier's first line says it from its run.
+    summary="DeepSeek-V4.1 on SM120/SM121 (FLASHINFER_MLA_SPARSE_DSV41): upstream's KV layout "
+    "fails to start, or hands the SM120 kernels pages they reject, at --block-size 64 or 128 "
+    "(which, and how, the release's own rows below say); the fix keeps upstream's layout where "
+    "it works, else lays out 64-state pages, by default with 128-token blocks and interleaved "
+    "64-state ratio-1 kernel pages (more KV capacity than upstream), else per-ratio blocks",
     upstream=(
         "vllm#59203",
         "vllm#56702",

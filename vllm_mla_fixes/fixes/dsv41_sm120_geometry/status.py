@@ -48,16 +48,19 @@ def status_detail() -> str:
     decided = list(STATE.decisions.values())
     if not decided:
         return RULE
-    lines = []
-    for decision in decided:
-        line = f"geometry {decision.geometry.value} ({decision.reason})"
-        if decision.evidence:
-            line += f" [could not read: {'; '.join(decision.evidence)}]"
-        lines.append(line)
+    lines = [decision_detail(decision) for decision in decided]
     mismatches = [line for found in STATE.spec_mismatches.values() for line in found]
     if mismatches:
         lines.append(f"live specs that differ from the planned ones: {'; '.join(mismatches)}")
     return "; ".join(lines)
+
+
+def decision_detail(decision: Decision) -> str:
+    """One engine's decision, its reason and what could not be read for it."""
+    line = f"geometry {decision.geometry.value} ({decision.reason})"
+    if decision.evidence:
+        line += f" [could not read: {'; '.join(decision.evidence)}]"
+    return line
 
 
 def status_in_process(applied: FixStatus) -> FixStatus:

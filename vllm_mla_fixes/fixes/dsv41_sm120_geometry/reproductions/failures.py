@@ -691,26 +691,68 @@ def _verdict_summary(rejected: tuple, unknown: tuple[str, ...]) -> str:
     return "every page inside the installed kernels' own envelopes"
 
 
+@dataclasses.dataclass(frozen=True)
+class UpstreamStart:
+    """What upstream's own start-up of the tiny model did at one --block-size."""
+
+    block_size: int
+    error: str | None  # vLLM's start-up error, or None where it started
+    pages: str = ""  # the page rows of each cache, where it started
+    rejected: tuple = ()  # pages a kernel's own declaration rejects
+    unknown: tuple[str, ...] = ()  # envelopes that could not be read
+
+    @property
+    def works(self) -> bool:
+        return self.error is None and not self.rejected and not self.unknown
+
+    def outcome(self) -> str:
+        """How this start went, in a few words, for the verifier's first line."""
+        if self.error is not None:
+            return f"--block-size {self.block_size} fails at start-up"
+        if self.rejected:
+            return f"--block-size {self.block_size} starts, but a kernel rejects its pages"
+        if self.unknown:
+            return f"--block-size {self.block_size} starts; an envelope could not be read"
+        return f"--block-size {self.block_size} works"
+
+    def lines(self) -> list[str]:
+        if self.error is not None:
+            return [f"--block-size {self.block_size}, upstream: ValueError: {self.error}"]
+        return [
+            f"--block-size {self.block_size}, upstream: starts; pages: {self.pages}",
+            f"  kernels: {_verdict_summary(self.rejected, self.unknown)}",
+        ]
+
+
+def upstream_start(block_size: int) -> UpstreamStart:
+    geometry, error = start_upstream(block_size)
+    if geometry is None:
+        return UpstreamStart(block_size, error)
+    pages = flashinfer_pages(geometry)
+    rejected, unknown = kernel_verdicts(pages)
+    return UpstreamStart(block_size, None, _page_summary(pages), rejected, unknown)
+
+
+def upstream_story(version: str, starts: list[UpstreamStart]) -> str:
+    """The verifier's first line: what upstream does on this release, from its
+    recorded starts (a release's story differs from the next one's)."""
+    return f"upstream on vLLM {version}: " + "; ".join(start.outcome() for start in starts)
+
+
 def _verify(report: Callable[[str], None]) -> bool:
     report(f"FlashInfer {flashinfer_version()}")
-    upstream_fails = False
-    for block_size in (64, 128):
-        geometry, error = start_upstream(block_size)
-        if error is not None:
-            report(f"--block-size {block_size}, upstream: ValueError: {error}")
-            if error not in START_ERRORS:
-                return False
-            upstream_fails = True
-            continue
-        assert geometry is not None  # start_upstream returns a geometry or an error
-        pages = flashinfer_pages(geometry)
-        rejected, unknown = kernel_verdicts(pages)
-        report(f"--block-size {block_size}, upstream: starts; pages: " + _page_summary(pages))
-        report(f"  kernels: {_verdict_summary(rejected, unknown)}")
-        upstream_fails |= bool(rejected)
-    if not upstream_fails:
+    starts = [upstream_start(block_size) for block_size in (64, 128)]
+    report(upstream_story(_installed_vllm(), starts))
+    for start in starts:
+        for line in start.lines():
+            report(line)
+    if any(start.error is not None and start.error not in START_ERRORS for start in starts):
+        return False
+    if not any(start.error is not None or start.rejected for start in starts):
         report("upstream's layout works for both block sizes: nothing to reproduce")
         return False
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import decision_detail
 
     ok = True
     with applied((12, 0)) as result:
@@ -723,7 +765,8 @@ def _verify(report: Callable[[str], None]) -> bool:
             allocate_and_bind(geometry)  # runs the start-up self-check
             pages = flashinfer_pages(geometry)
             rejected, unknown = kernel_verdicts(pages)
-            decided = fix.STATE.decision_for(geometry.vllm_config).geometry
+            decision = fix.STATE.decision_for(geometry.vllm_config)
+            decided = decision.geometry
             report(
                 f"--block-size {block_size}, fixed ({decided}): kernel block sizes "
                 f"{sorted(set(sizes.values()))}; pages: {_page_summary(pages)}; "
@@ -731,6 +774,7 @@ def _verify(report: Callable[[str], None]) -> bool:
             )
             ok &= not rejected and not unknown
             if decided == fix.UPSTREAM:
+                report(f"  {decision_detail(decision)}")
                 continue  # upstream's own layout, which the kernels take
             ok &= all(page.rows == fix.PAGE_ROWS for page in pages)
             ratio1 = [
@@ -743,7 +787,7 @@ def _verify(report: Callable[[str], None]) -> bool:
                 and ratio1[1].storage_offset() - ratio1[0].storage_offset() == 37440
             )
             report(
-                f"  {fix.status_detail()}; ratio-1 compressed/indexer kernel pages "
+                f"  {decision_detail(decision)}; ratio-1 compressed/indexer kernel pages "
                 f"{'interleaved every 46,080 B' if interleaved else 'NOT interleaved'} in "
                 f"{geometry.kv_cache_config.kv_cache_tensors[0].block_stride}-B blocks"
             )
