@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from doctor_runs import serve_of
 from fix_releases import FA4, newest
+from json_schemas import schema_problems
 
 from vllm_mla_fixes.doctor import EXIT_STATUS, LOCAL_MODEL_PLACEHOLDER
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import dspark_long_prompt
@@ -362,9 +363,15 @@ def commands_run_or_say_where(report: Report) -> list[str]:
     return problems
 
 
+def json_matches_its_schema(report: Report) -> list[str]:
+    """doctor --json has every documented key and no other (issue 44)."""
+    return schema_problems("doctor", report.json)
+
+
 CHECKS = {
     check.__name__: check
     for check in (
+        json_matches_its_schema,
         verdict_is_the_last_word,
         geometry_agrees_with_verdict,
         workaround_not_failed,
@@ -593,3 +600,18 @@ def test_a_spelling_vllm_accepts_gets_the_canonical_verdict(reports, canonical, 
     assert judged[0].json["verdict"] == "WILL FAIL", judged[0].text
     assert [r.findings for r in judged[1:]] == [judged[0].findings]
     assert [r.json["reason"] for r in judged[1:]] == [judged[0].json["reason"]]
+
+
+@pytest.mark.vllm_release("0.34.0")
+def test_the_json_gives_the_figure_and_the_words_the_text_gives(reports):
+    """--block-size 128 on 0.34.0 (issue 44): the text compares the fix with
+    upstream's working --block-size 64 layout, and the JSON carries that
+    figure; upstream's start error is vLLM's own exception text."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import SPLIT_ERROR
+
+    report = reports["0.34.0 DSV4.1 block 128 DSpark"]
+    facts = report.json["dsv41"]
+    assert facts["upstream_start_error"] == SPLIT_ERROR
+    assert facts["best_working_upstream_block_size"] == 64
+    assert facts["vs_best_working_upstream"] is not None and facts["vs_upstream"] is None
+    assert any("upstream's working --block-size 64 layout" in f["message"] for f in report.findings)

@@ -43,6 +43,7 @@ import pytest
 from fix_releases import FP8, newest, newest_covered
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from json_schemas import schema_problems
 
 from vllm_mla_fixes import cli
 from vllm_mla_fixes import settings as plugin_settings
@@ -187,6 +188,9 @@ def assert_contract(argv: list[str], outcome: dict) -> dict | None:
         assert document["exit_status"] == status, shown
     if "error" in document:
         assert errors and document["error"] == errors[0].split(": error: ", 1)[1], shown
+    command = next((word for word in own if not word.startswith("-")), "")
+    if command in ("status", "doctor"):
+        assert not schema_problems(command, document), (schema_problems(command, document), shown)
     return document
 
 

@@ -164,7 +164,7 @@ def _doctor_json(*serve: str, **env: str) -> dict:
 # What doctor must say of the tiny model's --block-size 64 line on SM120, by
 # release, stated literally (vLLM's own start-up gives the same: the tests
 # above and test_dsv41_release_0_34.py).
-REFUSED_64 = "FLASHINFER_MLA_SPARSE_DSV41 declares kernel blocks [128], not 64"
+REFUSED_64 = repro.BLOCK_SIZE_ERROR  # vLLM's own words, captured from its block size selection
 LINE_64 = {
     "0.32.0": (False, REFUSED_64, "interleaved-split"),
     "0.33.0": (False, REFUSED_64, "interleaved-split"),

@@ -77,8 +77,21 @@ class Prediction:
     shape_problem: str | None  # why the shapes could not be checked
 
     def report(self) -> dict[str, Any]:
-        """``doctor --json``'s ``dsv41`` object: the engine's own report."""
-        return engine_report(self.engine, self.decision)
+        """``doctor --json``'s ``dsv41`` object: the engine's own report, and
+        the line's figure against the best upstream layout that works for it
+        (its own where it works, else the other block size's), as the text says."""
+        if self.decision.upstream is not None and self.decision.upstream.works:
+            best_size: int | None = self.decision.upstream.block_size
+            versus = self.decision.vs_upstream
+        elif self.best_working_upstream is not None:
+            best_size, versus = self.best_working_upstream[0], self.vs_best_working_upstream
+        else:
+            best_size, versus = None, None
+        return {
+            **engine_report(self.engine, self.decision),
+            "best_working_upstream_block_size": best_size,
+            "vs_best_working_upstream": versus,
+        }
 
     @property
     def vs_best_working_upstream(self) -> float | None:

@@ -68,18 +68,54 @@ def _cache_name(kind: CacheKind, ratio: int) -> str:
     return kind.value if kind is SWA else f"{kind.value}, compress ratio {ratio}"
 
 
-def declared_kernel_blocks() -> dict[str, list[int]]:
-    """Kernel block sizes each DeepSeek-V4.1 backend declares with no spec in
-    view (vLLM's own answer, which the fix leaves unchanged for that call)."""
-    declared = {}
+def _backends() -> dict[str, Any]:
+    """The DeepSeek-V4.1 backend classes, by vLLM's name for them."""
+    backends = {}
     for module_name, cls_name in (
         (FLASHINFER_MODULE, "DeepseekV4FlashInferMLASparseBackend"),
         (INDEXER_MODULE, "DeepseekV41IndexerBackend"),
     ):
         backend = getattr(importlib.import_module(module_name), cls_name)
-        sizes = backend.get_supported_kernel_block_sizes()
-        declared[backend.get_name()] = [int(getattr(s, "base", s)) for s in sizes]
-    return declared
+        backends[backend.get_name()] = backend
+    return backends
+
+
+def declared_kernel_blocks() -> dict[str, list[int]]:
+    """Kernel block sizes each DeepSeek-V4.1 backend declares with no spec in
+    view (vLLM's own answer, which the fix leaves unchanged for that call)."""
+    return {
+        name: [int(getattr(s, "base", s)) for s in backend.get_supported_kernel_block_sizes()]
+        for name, backend in _backends().items()
+    }
+
+
+def vllm_start_error(block_size: int, name: str, sizes: list[int]) -> str:
+    """vLLM's own exception text for backend ``name`` (declaring kernel blocks
+    ``sizes``) at ``--block-size``, raised by vLLM's own checks: its common
+    block size selection, or, where a declared size divides the block, the
+    split of a packed block into kernel blocks (0.34.0 refuses that for the
+    sliding-window cache, a token cache, whatever its page sizes).  Our own
+    words only where neither check raises here."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker import utils
+
+    backend = _backends()[name]
+    try:
+        utils.select_common_block_size(block_size, [backend])
+    except ValueError as exc:
+        return str(exc)
+    divisors = [size for size in sizes if block_size % size == 0]
+    if divisors and hasattr(utils.AttentionGroup, "map_kv_cache_to_kernel_blocks"):
+        token_cache = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.uint8
+        )
+        group = utils.AttentionGroup(backend, [], token_cache, 0, kernel_block_size=max(divisors))
+        try:
+            group.map_kv_cache_to_kernel_blocks(torch.empty(1, 2, block_size, 1, dtype=torch.uint8))
+        except ValueError as exc:
+            return str(exc)
+    return f"{name} declares kernel blocks {sizes}, not {block_size}"
 
 
 def picked_block_size(declared: dict[str, list[int]]) -> int:
@@ -100,7 +136,7 @@ def upstream_layout(
         return UpstreamLayout(
             block_size,
             False,
-            f"{name} declares kernel blocks {declared[name]}, not {block_size}",
+            vllm_start_error(block_size, name, declared[name]),
             (),
             (),
             (),
