@@ -13,6 +13,7 @@ model code is imported) and every line is held to the rows it recorded.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import fix_releases
 import pytest
@@ -76,3 +77,35 @@ def test_a_long_error_is_cut_at_a_word_not_inside_one():
         assert shown.endswith(" ...)"), line
         shown = shown.removesuffix(" ...)")
         assert error.startswith(shown) and error[len(shown)] == " ", line
+
+
+MEASUREMENTS = Path(__file__).resolve().parents[2] / "docs" / "measurements.md"
+
+
+@pytest.mark.vllm_release(*DSV41)
+def test_measurements_md_says_what_upstreams_layout_does_here():
+    """docs/measurements.md once said upstream's --block-size 64 layout fails 6
+    of 10 self-test cases on 0.34.0, on 32-state ratio-2 indexer pages that
+    DeepGEMM rejects; the self-test and the truth table say every page is
+    inside the envelopes.  The self-test's upstream row is the block size vLLM
+    picks; its verdict there must be what the installed kernels' own
+    declarations say of that layout, fresh."""
+    import vllm
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures
+
+    release = str(vllm.__version__)
+    with failures.sm120_platform():
+        size = upstream.picked_block_size(upstream.declared_kernel_blocks())
+        works = upstream.upstream_layout(size).works
+    rows = [
+        line
+        for line in MEASUREMENTS.read_text().splitlines()
+        if line.strip().startswith(f"| upstream, `--block-size` {size} (") and release in line
+    ]
+    assert len(rows) == 1, rows
+    verdict = rows[0].split("|")[2].strip()
+    assert verdict == ("no failure here" if works else "bug reproduced"), rows[0]
+    if works:
+        assert rows[0].rstrip(" |").endswith("0 of 10"), rows[0]
