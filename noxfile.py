@@ -3,7 +3,7 @@
 Each release gets its own virtual environment, installed with uv from a fully
 pinned lock file in ``envs/`` (``envs/vllm-<release>.txt``).  Environments live
 outside the checkout, under ``$VLLM_MLA_FIXES_ENV_DIR`` (default
-``~/.cache/vllm-mla-fixes/envs``), so a fresh clone on the same machine -- CI --
+``$XDG_CACHE_HOME/vllm-mla-fixes/envs``, else ``~/.cache/vllm-mla-fixes/envs``), so a fresh clone on the same machine -- CI --
 reuses them; ``uv pip sync`` turns an existing environment into exactly the
 lock file's contents, and is a no-op when it already is.
 
@@ -42,9 +42,9 @@ RELEASES = sorted(
     (p.name[len("vllm-") : -len(".txt")] for p in LOCKS.glob("vllm-*.txt")),
     key=lambda v: tuple(int(x) for x in v.split(".")),
 )
-ENV_DIR = Path(
-    os.environ.get("VLLM_MLA_FIXES_ENV_DIR", Path.home() / ".cache" / "vllm-mla-fixes" / "envs")
-)
+# The user cache as the plugin finds it (vllm_mla_fixes/screen_cache.py): XDG_CACHE_HOME, else ~/.cache.
+USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+ENV_DIR = Path(os.environ.get("VLLM_MLA_FIXES_ENV_DIR") or USER_CACHE / "vllm-mla-fixes" / "envs")
 MIN_FREE_GIB_FOR_NEW_ENV = 12
 # Pins added to the resolution of every release from CUDA_13_PINS_FROM on,
 # with the reason.  vLLM 0.32/0.33 resolve cuda-python 12.6.2.post1 beside

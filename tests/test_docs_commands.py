@@ -7,11 +7,15 @@ folder, with this environment's ``vllm-mla-fixes`` first on PATH.  A line must
 exit 0 and print no traceback; a ``doctor`` line may also end READY WITH
 WARNINGS (a documented line must never be one that WILL FAIL).
 
-Other blocks are illustrations (they need a GPU, the network, or your own
-serve line) and are run, where they can be, by the tests that own them."""
+Every other shell block of README.md and docs/ says, on the line just above
+its fence, who runs it or why nothing can run it here (issue 44): ``<!-- run
+by tests/<file>.py -->`` (a test that reads that document), or ``<!-- not
+run here: <why> -->`` (a GPU, the network, a publication, your own serve
+line).  A block with neither fails."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -99,6 +103,143 @@ def test_documented_command_runs(document, command, tmp_path):
     )
 
 
+# -- every other block says who runs it ------------------------------------------------
+
+SHELL_FENCE = re.compile(r"^```(?:bash|sh|shell|console)\b(.*)$")
+RUN_BY = re.compile(r"^<!-- run by (tests/[\w/]+\.py) -->$")
+NOT_RUN = re.compile(r"^<!-- not run here: (.{12,}) -->$")
+
+
+def shell_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line number, fence, the line above it) of every shell block's opening fence."""
+    lines = text.splitlines()
+    found, inside = [], False
+    for number, line in enumerate(lines, 1):
+        if inside:
+            inside = not line.startswith("```")
+            continue
+        if line.startswith("```"):
+            inside = True
+            if SHELL_FENCE.match(line):
+                above = next((ln for ln in reversed(lines[: number - 1]) if ln.strip()), "")
+                found.append((number, line, above.strip()))
+    return found
+
+
+def unmarked_blocks(document: Path) -> list[str]:
+    """The shell blocks of ``document`` that neither run here nor say why not."""
+    problems = []
+    name = document.relative_to(ROOT).as_posix()
+    for number, fence, above in shell_blocks(document.read_text()):
+        if TESTED_FENCE.match(fence) or NOT_RUN.match(above):
+            continue
+        runner = RUN_BY.match(above)
+        if runner is None:
+            problems.append(f"{name}:{number}: {fence!r} says neither who runs it nor why not")
+        else:
+            test = ROOT / runner[1]
+            if not test.exists() or Path(name).name not in test.read_text():
+                problems.append(
+                    f"{name}:{number}: {runner[1]} does not exist or never reads {name}"
+                )
+    return problems
+
+
+def test_every_shell_block_is_run_or_says_why_not():
+    documents = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    problems = [problem for document in documents for problem in unmarked_blocks(document)]
+    assert not problems, "\n".join(problems)
+
+
+def test_an_unmarked_block_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\nnox -t verify\n```\n\n<!-- not run here: needs a GPU node -->\n```bash\nx\n```\n"
+        "<!-- run by tests/nowhere.py -->\n```sh\ny\n```\n```text\nnot a command\n```\n"
+    )
+    assert unmarked_blocks(page) == [
+        "page.md:1: '```bash' says neither who runs it nor why not",
+        "page.md:10: tests/nowhere.py does not exist or never reads page.md",
+    ]
+
+
+def _noxfile_env_dir() -> Path:
+    """The noxfile's ENV_DIR under this process's environment (its assignments
+    alone: nox is not installed in a release's test environment)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    wanted = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id in ("USER_CACHE", "ENV_DIR")
+    ]
+    namespace: dict = {"os": os, "Path": Path}
+    exec(compile(ast.Module(wanted, []), "noxfile.py", "exec"), namespace)
+    return namespace["ENV_DIR"]
+
+
+def test_the_harness_environments_go_where_the_readme_says(monkeypatch, tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    words = " ".join(readme.split())
+    assert "in a virtual environment" in words and "python3 -m venv .venv" in readme
+    for said in ("$XDG_CACHE_HOME/vllm-mla-fixes/envs", "~/.cache/vllm-mla-fixes/envs"):
+        assert said in readme
+    monkeypatch.delenv("VLLM_MLA_FIXES_ENV_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert _noxfile_env_dir() == Path.home() / ".cache" / "vllm-mla-fixes" / "envs"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # as the plugin's own cache follows it
+    assert _noxfile_env_dir() == tmp_path / "vllm-mla-fixes" / "envs"
+    monkeypatch.setenv("VLLM_MLA_FIXES_ENV_DIR", str(tmp_path / "mine"))
+    assert _noxfile_env_dir() == tmp_path / "mine"
+
+
+def _git_tags() -> list[str] | None:
+    done = subprocess.run(["git", "tag", "--list"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.split() if done.returncode == 0 else None
+
+
+def test_the_docs_name_no_tag_or_release_that_does_not_exist():
+    tags = _git_tags()
+    if tags is None:
+        pytest.skip("not a git checkout: its tags cannot be read")
+    documents = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {
+        (document.relative_to(ROOT).as_posix(), tag)
+        for document in documents
+        for tag in re.findall(r"@(v\d+\.\d+\.\d+)", document.read_text())
+    }
+    assert not [(where, tag) for where, tag in named if tag not in tags], named
+    install = INSTALL.read_text()
+    published = any(re.fullmatch(r"v\d+\.\d+\.\d+", tag) for tag in tags)
+    assert ("No release is published yet" in install) != published
+
+
+INSTALL = ROOT / "docs" / "install.md"
+
+
+def test_every_mention_of_the_truth_table_module_says_which_table_it_prints():
+    """With no flag the module prints the cells as JSON, not the table the docs show."""
+    module = "vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.truth_table"
+    bare = []
+    for document in (d for d in DOCUMENTS if d.name != "CHANGELOG.md"):  # history stays as said
+        words = " ".join(document.read_text().split())
+        for after in words.split(module)[1:]:
+            if not after.lstrip("` ").startswith(("--markdown", "--summary")):
+                bare.append(f"{document.relative_to(ROOT)}: ...{module}{after[:40]}")
+    assert not bare, "\n".join(bare)
+
+
+def test_the_local_wheel_section_installs_what_its_first_line_leaves_behind():
+    """install.md section 4 once built from a wheel file its first line never
+    wrote (the download goes to the user cache, the build to dist/)."""
+    section = INSTALL.read_text().split("## 4. ", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    wheels = re.findall(r"\S+\.whl", block)
+    assert wheels and all(w.startswith("dist/") for w in wheels), wheels
+
+
 # -- links ---------------------------------------------------------------------------
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -127,6 +268,10 @@ def test_every_relative_link_leads_to_a_file_and_heading():
                 broken.append(f"{document.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{document.relative_to(ROOT)}: {target} (no such heading)")
+    for document in DOCUMENTS:  # a link whose text is a file's name names the file it leads to
+        for text, target in re.findall(r"\[`?([\w./-]+\.md)`?\]\(([^)\s#]+)", document.read_text()):
+            if Path(text).name != Path(target).name:
+                broken.append(f"{document.relative_to(ROOT)}: [{text}]({target}) (another file)")
     assert not broken, "\n".join(broken)
 
 

@@ -288,13 +288,13 @@ def test_ci_runs_both_readme_commands():
 
     root = Path(__file__).resolve().parent.parent
     readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
-    test_command = next(ln for ln in readme.splitlines() if ln.endswith("&& nox"))
-    verify_command = next(ln for ln in readme.splitlines() if ln.endswith("&& nox -t verify"))
-    install, *commands = test_command.split(" && ")
-    verify_install, verify = verify_command.split(" && ")
-    assert verify_install == install
-    commands.append(verify)
-    assert install.removeprefix("python3 -m pip install ") in ci  # the same nox and uv pins
+    # the README's block: the virtual environment and the pins, then verify, then the tests
+    setup = next(ln for ln in readme.splitlines() if ln.startswith("python3 -m venv "))
+    block = readme.split(setup, 1)[1].split("```", 1)[0]
+    verify, tests = block.strip().splitlines()
+    install = setup.split(" && ")[-1]
+    assert install.removeprefix("pip install ") in ci  # the same nox and uv pins
+    commands = [*tests.split(" && "), verify]
 
     def as_readme_writes_it(ci_line: str) -> str:
         """A nox call of .ci/run without what only CI adds (no prompts, a report file)."""
