@@ -13,19 +13,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the line of --help's example, and of the report (001): its first error
 DSV41_LINE = ["vllm", "serve", "deepseek-ai/DeepSeek-V4.1-Flash", "--block-size", "64"]
+NO_HUB = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
 
 
 def run_doctor(
     *args: str, python: str = sys.executable, hub: Path | None = None, **env: str
 ) -> subprocess.CompletedProcess:
     """The doctor command as an operator runs it, on a machine without a GPU,
-    with ``python`` (this one unless given); ``hub``: an empty Hugging Face home, so (with no network here) the model
-    is known by its name only."""
+    with ``python`` (this one unless given); ``hub``: an empty Hugging Face home
+    and no network (the hub's endpoint a closed local port, here and on a CI
+    runner that has one), so the model is known by its name only."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
     full_env.update(CUDA_VISIBLE_DEVICES="", **env)
     if hub is not None:
         full_env.pop("HF_HUB_CACHE", None)
         full_env["HF_HOME"] = str(hub)
+        full_env.setdefault("HF_ENDPOINT", NO_HUB)
     return subprocess.run(
         [python, "-m", "vllm_mla_fixes", "doctor", *args],
         env=full_env,

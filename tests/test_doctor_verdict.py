@@ -189,6 +189,13 @@ def test_offline_hub_without_the_model_is_a_state_not_a_line_error(tmp_path):
     )
     assert "correct the line" not in proc.stdout
     assert "DeepseekV41ForCausalLM" in report["serve"]["architectures"]
+    # No network and HF_HUB_OFFLINE unset (issue 44): doctor once said READY, judging
+    # the model by its name without a word; the hub's endpoint is a closed port here.
+    unset = run_doctor("--json", "--", *DSV41_LINE, hub=tmp_path / "hf2")
+    detected = json.loads(unset.stdout)
+    assert (detected["verdict"], detected["reason"]) == (report["verdict"], report["reason"])
+    model = [f for f in report["findings"] if f["topic"] == "model"]
+    assert [f for f in detected["findings"] if f["topic"] == "model"] == model
 
 
 @pytest.mark.vllm_release("0.34.0")

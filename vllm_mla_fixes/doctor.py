@@ -454,6 +454,26 @@ def _offline(exc: BaseException) -> bool:
     return False
 
 
+def _hub_out_of_reach(model: str | None) -> bool:
+    """Whether ``model`` is a hub name whose config.json is on this machine
+    nowhere doctor reads, and the hub cannot be reached: vLLM raises only with
+    HF_HUB_OFFLINE=1, and without it a machine with no network would be judged
+    by the name alone, silently.  Asked of the hub itself (a model's info, a
+    few seconds at most); a hub that answers, even "no such model", is reached."""
+    if not model or serve_line.names_local_model(model) or _model_config(model)[0]:
+        return False
+    try:
+        import huggingface_hub
+
+        huggingface_hub.HfApi().model_info(model, timeout=HUB_TIMEOUT_SECONDS)
+    except Exception as exc:  # noqa: BLE001 - any answer but "unreachable" is an answer
+        return _offline(exc)
+    return False
+
+
+HUB_TIMEOUT_SECONDS = 10
+
+
 def _offline_finding(argv: list[str], model: str) -> Finding:
     """The hub is out of reach: the line may well be right, doctor cannot read
     the model's config; the same check with a local copy of it can."""
@@ -487,6 +507,9 @@ def diagnose(
         raise DoctorInputError(_no_model(None))
     installed = _package_version("vllm")
     line_check, args = check_with_vllm(argv, installed) if argv and installed else (None, None)
+    if line_check is not None and line_check.level == "ok" and args is not None:
+        if _hub_out_of_reach(args.model):  # as HF_HUB_OFFLINE=1 makes vLLM say
+            line_check = _offline_finding(argv, args.model)
     rejected = line_check is not None and line_check.level == "error"
     serve = None
     if args is not None:
