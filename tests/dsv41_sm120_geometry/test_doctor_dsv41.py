@@ -166,3 +166,35 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
         predict(["vllm", "serve", model, "-dcp", "2"])
     with pytest.raises(AssertionError, match="DCP not support sliding window"):
         predict(["vllm", "serve", model, "-tp", "2", "-dcp", "2"])
+
+
+@pytest.mark.vllm_release(newest(DSV41))
+def test_the_remedy_follows_the_cause_where_vllm_plugins_leaves_the_plugin_out():
+    """Issue 44: with VLLM_PLUGINS=lora_filesystem_resolver and VLLM_MLA_FIXES
+    unset, the line whose upstream layout fails said "the fix is not enabled
+    here -> export VLLM_MLA_FIXES=all"; the cause is VLLM_PLUGINS, and its remedy
+    is the one the plugin check gives (tests/test_doctor.py runs it: status
+    then says applied)."""
+    from doctor_runs import serve_of
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as dsv41_doctor
+    from vllm_mla_fixes.report import ENABLE_ALL_ADVICE, Environment, plugins_advice
+
+    env = Environment(
+        packages={"vllm": version("vllm"), "vllm-mla-fixes": "0.1.0"},
+        gpu=None,
+        capability=None,
+        torch_cuda=None,
+        vllm_plugins="lora_filesystem_resolver",
+        mla_fixes=None,
+        fix_states={},
+    )
+    model = ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"
+    findings = dsv41_doctor.diagnose(
+        env, serve_of(["vllm", "serve", str(model), "--block-size", "128"])
+    )
+    failing = [f for f in findings if f.message.startswith("upstream's --block-size 128 layout")]
+    assert failing and failing[0].level == "error", findings
+    assert "VLLM_PLUGINS='lora_filesystem_resolver' does not name mla_fixes" in failing[0].message
+    assert failing[0].advice == plugins_advice("lora_filesystem_resolver")
+    assert not [f for f in findings if f.advice == ENABLE_ALL_ADVICE], findings

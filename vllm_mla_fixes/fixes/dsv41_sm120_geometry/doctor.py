@@ -137,7 +137,7 @@ def _flashinfer_package_findings(env: Environment) -> list[Finding]:
 
 def _serve_line_findings(env: Environment, serve: ServeLine) -> list[Finding]:
     """What the serve line's own settings meet on SM120, and the geometry it gets."""
-    from vllm_mla_fixes.report import Finding
+    from vllm_mla_fixes.report import Finding, fix_verdict
 
     name = INFO.name
     findings = []
@@ -162,7 +162,8 @@ def _serve_line_findings(env: Environment, serve: ServeLine) -> list[Finding]:
             )
         )
     fixed = env.fix_state(name) == "applied"
-    findings += predicted_geometry(serve, fixed)
+    # where the fix is not applied, why (and its remedy) is the plugin check's own
+    findings += predicted_geometry(serve, fixed, None if fixed else fix_verdict(env, name))
     findings.append(
         Finding(
             "info",
@@ -237,7 +238,7 @@ INDEXER_FP8_FLAG = '--attention-config \'{"indexer_kv_dtype": "fp8"}\''
 MOE_MARLIN_FLAG = "--moe-backend marlin"
 
 
-def predicted_geometry(serve: Any, fixed: bool = True) -> list[Any]:
+def predicted_geometry(serve: Any, fixed: bool = True, why_not: Any = None) -> list[Any]:
     """doctor's findings on what ``serve`` gets on SM12x: the fix's own
     decision, in this process, on the engine config vLLM's parser builds from
     the line and the model's config.json (works where no GPU is visible)."""
@@ -260,7 +261,7 @@ def predicted_geometry(serve: Any, fixed: bool = True) -> list[Any]:
                 f"could not predict this line's KV geometry on SM12x ({type(exc).__name__}: {exc})",
             )
         ]
-    return prediction_findings(prediction, fixed)
+    return prediction_findings(prediction, fixed, why_not)
 
 
 def _rejected(message: str) -> Any:
@@ -274,12 +275,12 @@ def _rejected(message: str) -> Any:
     )
 
 
-def prediction_findings(prediction: Any, fixed: bool = True) -> list[Any]:
+def prediction_findings(prediction: Any, fixed: bool = True, why_not: Any = None) -> list[Any]:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
     decision = prediction.decision
-    findings = _upstream_findings(prediction, fixed)
+    findings = _upstream_findings(prediction, fixed, why_not)
     if fixed and decision.applies:
         findings.append(
             Finding(
@@ -331,7 +332,7 @@ def _capacity_line(prediction: Any, fixed: bool) -> str:
     )
 
 
-def _upstream_findings(prediction: Any, fixed: bool) -> list[Any]:
+def _upstream_findings(prediction: Any, fixed: bool, why_not: Any = None) -> list[Any]:
     """What upstream's own layout does on SM12x for the line, from the
     decision (which ``doctor --json`` prints as its ``dsv41`` object)."""
     from vllm_mla_fixes.report import ENABLE_ALL_ADVICE, Finding
@@ -368,7 +369,7 @@ def _upstream_findings(prediction: Any, fixed: bool) -> list[Any]:
             )
         ]
     if not layout.starts:
-        problem = f"does not start: {layout.start_error}"
+        problem = f"does not start: {(layout.start_error or '').rstrip('.')}"
     elif layout.rejected:
         problem = "starts, but " + "; ".join(
             f"{r.kernel} rejects the {r.cache} pages of {r.rows} rows" for r in layout.rejected
@@ -381,8 +382,9 @@ def _upstream_findings(prediction: Any, fixed: bool) -> list[Any]:
         Finding(
             "error",
             name,
-            f"upstream's {size} layout {problem}, and the fix is not enabled here",
-            ENABLE_ALL_ADVICE,
+            f"upstream's {size} layout {problem}, and "
+            + (why_not.message if why_not else "the fix is not enabled here"),
+            why_not.advice if why_not else ENABLE_ALL_ADVICE,
             facts=facts,
         )
     ]
