@@ -153,8 +153,9 @@ def _add_selftest_parser(commands: Commands) -> None:
     selftest.add_argument(
         "--geometry",
         action="append",
-        choices=("split", "fallback", "upstream", "control"),
-        help="run only this geometry (repeatable; default: all four)",
+        choices=("split", "fallback", "upstream", "control", "dspark-long-prefill"),
+        help="run only this geometry (repeatable; default: split, fallback, control, "
+        "upstream; dspark-long-prefill checks a long DSpark prefill's top-k indices)",
     )
     selftest.add_argument(
         "--jobs",

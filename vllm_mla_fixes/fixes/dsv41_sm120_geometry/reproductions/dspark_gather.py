@@ -77,21 +77,24 @@ def legal_indices(call: GatherCall, topk: int) -> torch.Tensor:
 
 
 def gather_reads(call: GatherCall, indices: torch.Tensor) -> list[Read]:
-    """Run vLLM's gather on ``indices`` with a coordinate-coded block table;
-    every load, classified."""
+    """Run vLLM's gather on ``indices`` with a coordinate-coded block table,
+    on the device ``indices`` are on; every load, classified."""
     from vllm.models.deepseek_v41.common.ops.cache_utils import (
         compute_global_topk_indices_and_lens,
     )
 
+    device = indices.device
     rows, width = call.block_table.shape
-    coded = torch.arange((rows + GUARD_ROWS) * width, dtype=torch.int32).view(-1, width)
+    coded = torch.arange((rows + GUARD_ROWS) * width, dtype=torch.int32, device=device)
+    coded = coded.view(-1, width)
     slots, _ = compute_global_topk_indices_and_lens(
         indices.contiguous(),
-        call.token_to_req,
+        call.token_to_req.to(device),
         coded[:rows],
         call.block_size,
-        call.is_valid,
+        call.is_valid.to(device),
     )
+    slots = slots.cpu()
     reads = []
     for token, lane in (slots >= 0).nonzero().tolist():
         code = int(slots[token, lane]) // call.block_size
@@ -217,9 +220,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def tiny_dspark_layout(max_model_len: int) -> Iterator[Any]:
+def tiny_dspark_layout(max_model_len: int, device: torch.device | str = "cpu") -> Iterator[Any]:
     """The geometry fix's split layout of the tiny model with one drafter
-    layer, DSpark's speculative config, on vLLM's simulated SM120 host."""
+    layer, DSpark's speculative config, on ``device`` (a CPU: vLLM's
+    simulated SM120 host)."""
     from ..selftest.applied import applied_fix
     from ..selftest.env import drafter_pages_at_128, one_torch_thread, simulated_sm120_host
     from ..selftest.layout import GEOMETRIES, TinyModel, build_layout
@@ -230,8 +234,10 @@ def tiny_dspark_layout(max_model_len: int) -> Iterator[Any]:
         max_num_batched_tokens=PREFILL_BUDGET,
         speculative_tokens=DRAFTS,
     )
-    with one_torch_thread(), simulated_sm120_host(), drafter_pages_at_128(), applied_fix():
-        yield build_layout(GEOMETRIES["split"], model, 0)
+    on_cpu = torch.device(device).type == "cpu"
+    host = simulated_sm120_host() if on_cpu else contextlib.nullcontext()
+    with one_torch_thread(), host, drafter_pages_at_128(), applied_fix():
+        yield build_layout(GEOMETRIES["split"], model, 0, device)
 
 
 def serve_long_prompt(layout: Any, prompt_tokens: int) -> Served:
@@ -285,7 +291,7 @@ def serve_long_prompt(layout: Any, prompt_tokens: int) -> Served:
             worker.build_metadata(batch)
             calls += _gather_calls(layout, batch, block_ids)
             rows[plan.name] = _row_counts(layout, batch)
-            positions[plan.name] = batch.positions[: rows[plan.name][2]].clone()
+            positions[plan.name] = batch.positions[: rows[plan.name][2]].cpu().clone()
         accepted = dict(plan.accept)
         for name, _, count, _, prefilling in scheduled:
             scheduler.advance(name, count, None if prefilling else accepted.get(name))
@@ -311,8 +317,8 @@ def _swa_prefix(compressed: str) -> str:
 def _gather_calls(
     layout: Any, batch: Any, block_ids: dict[str, tuple[list[int], ...]]
 ) -> list[GatherCall]:
-    """The step's calls, their tensors copied: the builders' persistent
-    buffers that the metadata views are rewritten by the next step."""
+    """The step's calls, their tensors copied to the CPU: the builders'
+    persistent buffers that the metadata views are rewritten by the next step."""
     calls = []
     for prefix, ratio, gid in _compressed_layers(layout):
         compressed = batch.metadata[prefix]
@@ -335,10 +341,10 @@ def _gather_calls(
                     path=path,
                     compress_ratio=ratio,
                     block_size=compressed.block_size // ratio,
-                    block_table=table.clone(),
-                    token_to_req=swa.token_to_req_indices[tokens].clone(),
-                    is_valid=swa.is_valid_token[tokens].clone(),
-                    positions=batch.positions[tokens].clone(),
+                    block_table=table.cpu().clone(),
+                    token_to_req=swa.token_to_req_indices[tokens].cpu().clone(),
+                    is_valid=swa.is_valid_token[tokens].cpu().clone(),
+                    positions=batch.positions[tokens].cpu().clone(),
                     allocated=tuple(allocated),
                 )
             )

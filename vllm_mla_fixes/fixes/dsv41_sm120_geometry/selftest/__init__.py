@@ -188,6 +188,8 @@ def _kernel_timing(device: Device, report: Report, timing: bool, limit: float) -
     if not timing:
         return DecodeTiming.not_timed("not timed (--no-timing)")
     verdicts = {r.geometry: geometry_verdict(r) for r in report.results}
+    if FIX_GEOMETRY not in verdicts:
+        return DecodeTiming.not_timed("not timed: the fix's default layout did not run")
     if verdicts.get(FIX_GEOMETRY) != PASS:
         return DecodeTiming.not_timed("not timed: the fix's default layout did not pass here")
     from .isolation import run_timing

@@ -310,6 +310,10 @@ def run_geometry(
     called and ``""`` after it returns (a process that dies in a kernel is
     charged to it)."""
     kernels = kernels or kn.Kernels.for_device(device)
+    if GEOMETRIES[name].role == "dspark":  # its own serving and checks
+        from .dspark import run_dspark_long_prefill
+
+        return run_dspark_long_prefill(device, kernels, seed, entering)
     result = new_result(name)
     start = time.monotonic()
     try:

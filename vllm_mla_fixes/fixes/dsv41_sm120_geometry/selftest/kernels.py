@@ -65,6 +65,11 @@ SWA_TWIN_STAND_IN = (
     "as Triton's interpreter runs it (CUDA-only op)"
 )
 READERS = (ATTENTION_DECODE, ATTENTION_PREFILL, INDEXER_LOGITS, INDEXER_GATHER)
+# The DSpark long-prefill check's own kernels (selftest --geometry dspark-long-prefill).
+INDEXER_TOPK = "indexer top-k within each row's length (top_k_per_row_decode)"
+TOPK_GATHER = "top-k slot gather (compute_global_topk_indices_and_lens)"
+INDEX_READERS = (INDEXER_TOPK, TOPK_GATHER)
+TOPK_STAND_IN = "stand-in: torch.topk within each row's length"
 WRITERS = (SWA_WRITER, COMPRESSED_WRITER, INDEXER_WRITER, ZEROER)
 
 
@@ -134,6 +139,8 @@ class Kernels:
                     ATTENTION_PREFILL: stand_in,
                     INDEXER_LOGITS: stand_in,
                     INDEXER_GATHER: stand_in,
+                    INDEXER_TOPK: f"{TOPK_STAND_IN} (no GPU)",
+                    TOPK_GATHER: interpreted,
                 },
             )
         import vllm._custom_ops  # noqa: F401  (loads vLLM's CUDA ops into torch.ops)
@@ -152,7 +159,11 @@ class Kernels:
             ZEROER: "real (Triton)",
             SWA_WRITER: op("_C", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"),
             INDEXER_GATHER: op("_C_cache_ops", "cp_gather_indexer_k_quant_cache"),
+            INDEXER_TOPK: op("_C", "top_k_per_row_decode"),
+            TOPK_GATHER: "real (Triton)",
         }
+        if sources[INDEXER_TOPK].startswith("stand-in"):
+            sources[INDEXER_TOPK] += f"; {TOPK_STAND_IN} instead"
         if sources[SWA_WRITER].startswith("stand-in"):
             sources[SWA_WRITER] += "; its Triton twin writes instead"
         if device.kind == "sm12x":
@@ -357,6 +368,31 @@ class Kernels:
             **extra,
         )
 
+    def topk_within_lengths(
+        self, logits: torch.Tensor, lengths: torch.Tensor, topk: int
+    ) -> torch.Tensor:
+        """Each row's ``topk`` best columns below its length, -1 after, as
+        vLLM's decode indexer selects them (one query row per token)."""
+        rows = int(logits.shape[0])
+        out = torch.full((rows, topk), -1, dtype=torch.int32, device=logits.device)
+        if not self.is_real(INDEXER_TOPK):
+            self._launch(topk_within_lengths_stand_in, logits, lengths, out)
+            return out
+        from vllm import _custom_ops as ops
+
+        self._launch(
+            ops.top_k_per_row_decode,
+            logits,
+            1,
+            lengths.to(torch.int32).contiguous(),
+            out,
+            rows,
+            logits.stride(0),
+            logits.stride(1),
+            topk,
+        )
+        return out
+
     def gather_k(
         self, cache: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, *where: torch.Tensor
     ) -> None:
@@ -495,6 +531,20 @@ def paged_mqa_logits_stand_in(
                 q_fp8[b, n], weights[b * next_n + n], keys
             )
     return out.to(device)
+
+
+def topk_within_lengths_stand_in(
+    logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``top_k_per_row_decode`` in PyTorch: columns at or past a row's length
+    are never picked; lanes past it hold -1."""
+    width = int(logits.shape[1])
+    lengths = lengths.flatten().to(logits.device)
+    past = torch.arange(width, device=logits.device)[None, :] >= lengths[:, None]
+    lanes = min(out.shape[1], width)
+    picked = logits.float().masked_fill(past, float("-inf")).topk(lanes, dim=1).indices
+    in_row = torch.arange(lanes, device=logits.device)[None, :] < lengths[:, None]
+    out[:, :lanes] = torch.where(in_row, picked, -1).to(out.dtype)
 
 
 def indexer_logits_dtype() -> torch.dtype:

@@ -149,7 +149,9 @@ def kv_records() -> KvRecords:
 class Geometry:
     name: str
     title: str
-    role: str  # "fix" (must pass), "control" (must be caught), "upstream" (informative)
+    # "fix" (must pass), "control" (must be caught), "upstream" (informative),
+    # "dspark" (top-k bounds of a long DSpark prefill: must pass, its own control caught)
+    role: str
     via_plugin: bool = True
     kv_connector: bool = False  # configure a KV connector: the fix must fall back
     untranslated: bool = False  # take the fix's ratio-1 slot translation out
@@ -171,6 +173,11 @@ GEOMETRIES: dict[str, Geometry] = {
             "control: split, ratio-1 writers untranslated (#56509)",
             "control",
             untranslated=True,
+        ),
+        Geometry(
+            "dspark-long-prefill",
+            "DSpark: 12,288-token prefill in 2,048-token chunks, indexer top-k bounds (#56771)",
+            "dspark",
         ),
     )
 }

@@ -11,7 +11,7 @@ from . import clock
 from . import kernels as kn
 from .layout import GEOMETRIES, TinyModel
 from .pairing import BASELINES, WHAT_IS_TIMED, DecodeTiming
-from .results import GeometryResult
+from .results import DSPARK_CASE, DSPARK_CONTROL, GeometryResult
 from .timed_step import TIMED_KERNELS, TIMED_STEP
 from .timeline import CASES
 from .timing import StepCost
@@ -56,16 +56,19 @@ def geometry_verdict(result: GeometryResult) -> str:
         return PASS if result.clean and exercised else FAIL
     if result.role == "control":
         return CAUGHT if set(result.failed_cases()) == set(CASES) else MISSED
+    if result.role == "dspark":  # no PASS without its own control caught
+        ran = all(result.cases[c].compared for c in (DSPARK_CASE, DSPARK_CONTROL))
+        return PASS if result.clean and ran else FAIL
     return NO_BUG if result.clean else BUG
 
 
 def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
     rows = []
-    for kernel in (*kn.READERS, *kn.WRITERS):
+    for kernel in (*kn.READERS, *kn.INDEX_READERS, *kn.WRITERS):
         tally = result.kernels.get(kernel)
         if tally is None:
             continue
-        reader = kernel in kn.READERS
+        reader = kernel not in kn.WRITERS
         bad = bool(tally.problems)
         if reader:
             bound = tally.bound or bd.bound_for(kernel, kernels, TinyModel.q_heads)
@@ -74,7 +77,7 @@ def rows_of(result: GeometryResult, kernels: kn.Kernels) -> list[Row]:
             bound = tally.bound or bd.WRITER_BOUND
             margin = max(tally.worst_margin, bd.margin(tally.foreign_bytes, 0.0))
         bound_value = tally.worst_bound if bound.per_element and tally.compared else bound.value
-        if result.role == "fix":
+        if result.role in ("fix", "dspark"):
             verdict = FAIL if bad or (reader and not tally.compared) else PASS
         elif result.role == "control":
             verdict = CAUGHT if bad else "-"
@@ -115,7 +118,9 @@ class Report:
     def working_layouts(self) -> list[GeometryResult]:
         """The layouts that read back as written here: the fix's that pass, and
         upstream's where it ran without a failure."""
-        return [r for r in self.results if geometry_verdict(r) in (PASS, NO_BUG)]
+        return [
+            r for r in self.results if r.role != "dspark" and geometry_verdict(r) in (PASS, NO_BUG)
+        ]
 
     def findings(self) -> list[str]:
         """What the run found beyond the exit status: each crash, and upstream's
@@ -260,8 +265,17 @@ class Report:
                 lines.append(f"    aborted: {result.aborted}")
             lines.append(
                 f"    cases failed: {', '.join(failed) if failed else 'none'} "
-                f"(of {len(CASES)}: {', '.join(CASES)})"
+                f"(of {len(result.cases)}: {', '.join(result.cases)})"
             )
+            if result.role == "dspark":
+                from .dspark import verdict_line
+
+                lines += [f"    {line}" for line in result.layout[1:2]]
+                lines.append(f"    {verdict_line(result, self.kernels)}")
+                if verdict == FAIL:
+                    for case in result.cases.values():
+                        lines += [f"    {problem}" for problem in case.problems[:4]]
+                continue
             lines.append(
                 f"    stray bytes {result.stray_bytes}, foreign bytes "
                 f"{result.foreign_bytes}, page tiling problems "
@@ -288,7 +302,10 @@ class Report:
                 )
         lines += self.bound_lines()
         lines += self.timing_lines()
-        stand_ins = [k for k in (*kn.READERS, *kn.WRITERS) if not self.kernels.is_real(k)]
+        checked: tuple[str, ...] = (*kn.READERS, *kn.WRITERS)
+        if any(r.role == "dspark" for r in self.results):
+            checked += kn.INDEX_READERS
+        stand_ins = [k for k in checked if not self.kernels.is_real(k)]
         lines.append("")
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"finding: {finding}" for finding in self.findings()]
@@ -298,8 +315,11 @@ class Report:
                 "PyTorch model of the kernel, not the kernel): " + "; ".join(stand_ins)
             )
         lines.append(self.verdict_line())
-        working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
-        lines.append(f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}")
+        if any(r.role != "dspark" for r in self.results):
+            working = [f"{r.geometry} ({r.title})" for r in self.working_layouts()]
+            lines.append(
+                f"layouts that work on {self.device.label}: {'; '.join(working) or 'none'}"
+            )
         return "\n".join(lines)
 
     def not_run(self) -> list[str]:
@@ -328,6 +348,8 @@ class Report:
                 )
             if control:
                 claims.append(f"the {' and '.join(control)} was caught in every case")
+            if "dspark" in roles.values():
+                claims.append(self.dspark_claim())
             line = (
                 "verdict: PASS - " + "; ".join(claims)
                 if claims
@@ -335,6 +357,20 @@ class Report:
             )
         missing = self.not_run()
         return line + (f"; not run: {', '.join(missing)}" if missing else "")
+
+    def dspark_claim(self) -> str:
+        """What a passing dspark-long-prefill run shows, and on which indexer."""
+        from .dspark import GEOMETRY
+
+        where = (
+            "on this device's real indexer kernels"
+            if all(self.kernels.is_real(k) for k in (kn.INDEXER_LOGITS, kn.INDEXER_TOPK))
+            else "on a stand-in indexer (no claim about the real kernels' indices)"
+        )
+        return (
+            f"{GEOMETRY}: every top-k index and gather load of a 12,288-token DSpark "
+            f"prefill stayed in bounds {where}, and its unbounded-index control was caught"
+        )
 
     def table_lines(self) -> list[str]:
         """One row per geometry and kernel, columns aligned."""

@@ -8,6 +8,9 @@ from . import bounds as bd
 from .layout import GEOMETRIES
 from .timeline import CASES
 
+# The DSpark long-prefill check's cases: its own run, and the control it must catch.
+DSPARK_CASE, DSPARK_CONTROL = "long-prefill indices", "unbounded-index control"
+
 
 @dataclass
 class Tally:
@@ -91,6 +94,6 @@ def new_result(name: str) -> GeometryResult:
     """An empty result for geometry ``name``, every case listed."""
     geometry = GEOMETRIES[name]
     result = GeometryResult(geometry.name, geometry.title, geometry.role)
-    for case in CASES:
+    for case in (DSPARK_CASE, DSPARK_CONTROL) if geometry.role == "dspark" else CASES:
         result.case(case)
     return result
