@@ -13,6 +13,7 @@ interpreter as ``_forward_prefill`` / ``_forward_decode`` call it.
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import fix_releases
 import pytest
@@ -20,9 +21,17 @@ import torch
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import dspark_gather as dg
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import dspark
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import (
     interpreter_problem,
     prepare_process_env,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.report import geometry_verdict
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.results import (
+    DSPARK_CASE,
+    DSPARK_CONTROL,
+    new_result,
 )
 
 prepare_process_env()
@@ -34,12 +43,19 @@ SENTINEL = -7  # a value no vLLM writer puts in the top-k buffer
 
 
 @pytest.fixture(scope="module")
-def served() -> dg.Served:
+def serving() -> tuple[Any, dg.Served]:
+    """The layout and what was served on it (the self-test check's tests
+    write index keys into the layout's pages after the evidence tests)."""
     problem = interpreter_problem()
     if problem:
         pytest.skip(problem)
     with dg.tiny_dspark_layout(PROMPT_TOKENS + 4096) as layout:
-        return dg.serve_long_prompt(layout, PROMPT_TOKENS)
+        return layout, dg.serve_long_prompt(layout, PROMPT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def served(serving) -> dg.Served:
+    return serving[1]
 
 
 def _calls(served: dg.Served, path: str, padded: bool) -> list[dg.GatherCall]:
@@ -149,3 +165,49 @@ def test_flashinfer_0_7_0_keeps_no_state_between_calls_in_the_workspace():
     assert verify[0][0] == 0 and verify[0][1] <= verify[1][0]
     assert verify[1][1] < 128 << 20
     assert dg.split_k_scratch(tokens=2042, heads=16, topk=128, extra_topk=512) == []
+
+
+# ------------------------- selftest --geometry dspark-long-prefill, its core on CPU
+# (the whole geometry in a subprocess costs ~50 s here: the GPU tests run that)
+
+
+@pytest.fixture(scope="module")
+def indexed(serving) -> tuple[kn.Kernels, list]:
+    """This device's indexer rows for every call (stand-ins on CPU), once."""
+    layout, served = serving
+    kernels = kn.Kernels.for_device(kn.detect_device())
+    rows = dspark.indexer_rows(served, layout, kernels, new_result(dspark.GEOMETRY))
+    return kernels, rows
+
+
+@pytest.mark.vllm_release(fix_releases.newest(dsv41_sm120_geometry.INFO))
+def test_the_selftest_check_passes_on_cpu_with_its_control_caught(served, indexed):
+    """The stand-in indexer's indices and vLLM's gather on them stay in
+    bounds, the unbounded-index control is caught, and the verdict says the
+    indexer was a stand-in."""
+    kernels, rows = indexed
+    result = new_result(dspark.GEOMETRY)
+    dspark.check_indices(served, rows, kernels, result)
+    assert geometry_verdict(result) == "pass", result.cases
+    assert result.cases[DSPARK_CONTROL].compared == 1
+    assert result.kernel(kn.TOPK_GATHER).compared > 0
+    assert all(r is not None and (r >= 0).any() for r in rows)
+    line = dspark.verdict_line(result, kernels)
+    assert "control caught" in line and "says nothing about the indices" in line
+
+
+@pytest.mark.vllm_release(fix_releases.newest(dsv41_sm120_geometry.INFO))
+def test_an_index_past_the_visible_length_fails_the_check(served, indexed):
+    """One index past its token's visible length in the run itself: FAIL,
+    naming the step, layer, token, index and the cell vLLM's gather read."""
+    kernels, rows = indexed
+    result = new_result(dspark.GEOMETRY)
+    place, token = dspark.control_call(served.calls)
+    dspark.check_indices(served, rows, kernels, result, corrupt=(place, token))
+    assert geometry_verdict(result) == "FAIL"
+    problems = result.cases[DSPARK_CASE].problems
+    call = served.calls[place]
+    position = int(call.positions[token])
+    assert len(problems) == 2, problems
+    assert all(call.layer in p and f"position {position}" in p for p in problems)
+    assert "visible length" in problems[0] and "the gather read cell" in problems[1]

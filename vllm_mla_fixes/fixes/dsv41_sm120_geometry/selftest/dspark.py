@@ -180,74 +180,92 @@ def unbounded(call: dg.GatherCall, indices: torch.Tensor, token: int) -> torch.T
     return corrupted
 
 
-def check_served(
+def indexer_rows(
     served: dg.Served,
     layout: Any,
     kernels: kn.Kernels,
     result: GeometryResult,
     seed: int = 0,
     entering: Callable[[str], None] | None = None,
-    corrupt: tuple[int, int] | None = None,
-) -> None:
-    """The check on ``served``'s calls, into ``result``.  ``corrupt`` =
-    (call, token) sets one of that call's indices out of bounds in the run
-    itself (what a test uses to see a FAIL); the control does the same on a
-    copy and must be caught."""
+) -> list[torch.Tensor | None]:
+    """Each call's top-k rows from the device's indexer over fresh random keys
+    in its layer's pages (None where the pages do not match the gather's
+    blocks: a problem in ``result``)."""
     gen = torch.Generator().manual_seed(seed)
     tell = entering or (lambda kernel: None)
-    control_at = control_call(served.calls)
-    control_indices = None
-    for kernel in CHECKED_KERNELS:
-        result.kernel(kernel).bound = INDEX_BOUNDS
-    for place, call in enumerate(served.calls):
-        cache = layout.caches[f"{call.layer}.indexer.k_cache"]
-        view = cache.module.kv_cache
+    written: set[str] = set()
+    rows: list[torch.Tensor | None] = []
+    for call in served.calls:
+        view = layout.caches[f"{call.layer}.indexer.k_cache"].module.kv_cache
         if int(view.shape[1]) != call.block_size:
             result.case(DSPARK_CASE).fail(
                 f"{call.layer}: indexer pages hold {int(view.shape[1])} states, "
                 f"the gather's blocks {call.block_size}"
             )
+            rows.append(None)
             continue
-        write_index_keys(view, gen)
+        if call.layer not in written:
+            write_index_keys(view, gen)
+            written.add(call.layer)
         tell(kn.INDEXER_LOGITS)
-        indices = indexer_indices(
-            call, view, layout.model.index_heads, served.topk, kernels, gen
-        ).cpu()
+        indices = indexer_indices(call, view, layout.model.index_heads, served.topk, kernels, gen)
+        rows.append(indices.cpu())
         tell("")
-        real_tokens = int(call.is_valid.sum())
-        result.kernel(kn.INDEXER_LOGITS).compared += real_tokens
+        result.kernel(kn.INDEXER_LOGITS).compared += int(call.is_valid.sum())
+    return rows
+
+
+def check_indices(
+    served: dg.Served,
+    rows: list[torch.Tensor | None],
+    kernels: kn.Kernels,
+    result: GeometryResult,
+    entering: Callable[[str], None] | None = None,
+    corrupt: tuple[int, int] | None = None,
+) -> None:
+    """Every index against its token's visible length, every gather load
+    against its request's blocks, then the control.  ``corrupt`` = (call,
+    token) sets one index out of bounds in the run itself (what a test uses
+    to see a FAIL); the control does the same on a copy and must be caught."""
+    tell = entering or (lambda kernel: None)
+    device = kernels.device.torch_device
+    for kernel in CHECKED_KERNELS:
+        result.kernel(kernel).bound = INDEX_BOUNDS
+    for place, (call, indices) in enumerate(zip(served.calls, rows, strict=True)):
+        if indices is None:
+            continue
         if corrupt is not None and corrupt[0] == place:
             indices = unbounded(call, indices, corrupt[1])
+        real_tokens = int(call.is_valid.sum())
         result.kernel(kn.INDEXER_TOPK).compared += real_tokens
         for found in index_violations(call, indices):
             result.kernel(kn.INDEXER_TOPK).fail(str(found))
             result.case(DSPARK_CASE).fail(str(found))
         tell(kn.TOPK_GATHER)
-        reads = dg.gather_reads(call, indices.to(kernels.device.torch_device))
+        reads = dg.gather_reads(call, indices.to(device))
         tell("")
         result.kernel(kn.TOPK_GATHER).compared += len(reads)
         for found in load_violations(call, reads):
             result.kernel(kn.TOPK_GATHER).fail(str(found))
             result.case(DSPARK_CASE).fail(str(found))
         result.case(DSPARK_CASE).compared += real_tokens
-        if place == control_at[0]:
-            control_indices = unbounded(call, indices, control_at[1])
-    if control_indices is None:
+    place, token = control_call(served.calls)
+    call, indices = served.calls[place], rows[place]
+    if indices is None:
         result.case(DSPARK_CONTROL).fail("MISSED: the control's call did not run")
         return
-    call = served.calls[control_at[0]]
+    tell(kn.TOPK_GATHER)
     caught = [
-        v
-        for v in violations(call, control_indices.to(kernels.device.torch_device))
-        if v.token == control_at[1]
+        v for v in violations(call, unbounded(call, indices, token).to(device)) if v.token == token
     ]
+    tell("")
     if len({v.what.startswith("lane") for v in caught}) == 2:  # by both checks
         result.case(DSPARK_CONTROL).compared += 1
-        result.layout.append(f"control caught: {caught[0]}; {caught[-1]}")
+        result.layout.append(f"control caught: {caught[0]}; {caught[-1].what}")
     else:
         result.case(DSPARK_CONTROL).fail(
             f"MISSED: an index past the visible length at {call.step}, {call.layer}, "
-            f"token {control_at[1]} was not caught by both the index and the load check"
+            f"token {token} was not caught by both the index and the load check"
         )
 
 
@@ -271,7 +289,8 @@ def run_dspark_long_prefill(
             f"DSpark verify of {dg.VERIFY_TOKENS}; checked steps: {'; '.join(steps)}; "
             f"{len(served.calls)} gather calls, top-{served.topk}"
         )
-        check_served(served, layout, kernels, result, seed, entering)
+        rows = indexer_rows(served, layout, kernels, result, seed, entering)
+        check_indices(served, rows, kernels, result, entering)
     except Exception as exc:
         result.aborted = f"{type(exc).__name__}: {exc}"
         result.layout.append(traceback.format_exc(limit=6))

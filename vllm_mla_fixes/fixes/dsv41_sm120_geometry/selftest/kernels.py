@@ -519,16 +519,24 @@ def paged_mqa_logits_stand_in(
     batch, next_n = q_fp8.shape[:2]
     out = torch.full((batch * next_n, max_len), float("-inf"))
     cache = kv_view[:, :, 0] if kv_view.dim() == 4 else kv_view
+    # Rows of one block-table row read a prefix of the same keys: read them once.
+    longest: dict[tuple[int, ...], int] = {}
     for b in range(batch):
+        table_row = tuple(block_table[b].tolist())
+        longest[table_row] = max(longest.get(table_row, 0), int(context_lens[b].max()))
+    keys_of = {}
+    for table_row, length in longest.items():
+        s = torch.arange(max(length, 0))
+        flat = torch.tensor(table_row, dtype=torch.int64)[s // rows] * rows + s % rows
+        keys_of[table_row] = ref.read_index_keys(cache, flat, ref.index_scales_are_ue8m0x4())
+    for b in range(batch):
+        keys = keys_of[tuple(block_table[b].tolist())]
         for n in range(next_n):
             length = int(context_lens[b, n])
             if length <= 0:
                 continue
-            s = torch.arange(length)
-            flat = block_table[b, s // rows].to(torch.int64) * rows + s % rows
-            keys = ref.read_index_keys(cache, flat, ref.index_scales_are_ue8m0x4())
             out[b * next_n + n, :length] = ref.index_logits(
-                q_fp8[b, n], weights[b * next_n + n], keys
+                q_fp8[b, n], weights[b * next_n + n], keys[:length]
             )
     return out.to(device)
 
