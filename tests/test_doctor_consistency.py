@@ -571,6 +571,10 @@ def test_a_dspark_sm12x_line_is_not_ready(reports, case_id):
     assert f"{dspark_long_prompt.REPORTED_PROMPT_TOKENS:,} tokens" in warning["message"]
     assert "--speculative-config" in warning["advice"]
     assert dspark_long_prompt.SHORT_PROMPTS_FLAG in warning["advice"]
+    # the GPU check it names: placed on the GPU node, run by
+    # tests/dsv41_sm120_geometry/gpu/test_dsv41_sm120_gpu.py::test_dspark_long_prefill_*
+    assert dspark_long_prompt.SELFTEST_COMMAND in warning["advice"]
+    assert "`vllm-mla-fixes selftest` runs on the GPU node" in warning["runs_elsewhere"]
 
 
 @pytest.mark.vllm_release("0.34.0")

@@ -496,3 +496,38 @@ def test_with_fix_serves_and_matches_at_the_attention_call(
         assert "page_block_size=32" not in log
     assert "No common block size" not in log
     assert not problems, (problems, log[-4000:])
+
+
+def test_dspark_long_prefill_selftest_passes_on_the_real_kernels(sm12x):
+    """Proves (vllm#56771, issue 42): on this SM12x GPU, DeepGEMM's indexer
+    logits and vLLM's top-k op pick, for every token of a 12,288-token DSpark
+    prefill chunked at 2,048 tokens and of the verify beside it, only indices
+    below the token's visible compressed length, and vLLM's top-k gather
+    (Triton, on the GPU) loads only the token's own allocated blocks; the
+    check's unbounded-index control is caught.  Every one of the check's
+    kernels must be real: a stand-in's PASS would say nothing here."""
+    import subprocess
+    import sys
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
+
+    command = Path(sys.executable).with_name("vllm-mla-fixes")
+    assert command.exists(), f"{command} is missing: install the package into this environment"
+    args = [str(command), "selftest", "--geometry", "dspark-long-prefill", "--json", "--no-timing"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    report = json.loads(done.stdout)
+    sources = report["kernels"]
+    stand_ins = {
+        k: sources[k]
+        for k in (kn.INDEXER_LOGITS, kn.INDEXER_TOPK, kn.TOPK_GATHER)
+        if not sources[k].startswith("real")
+    }
+    assert not stand_ins, stand_ins
+    (geometry,) = report["geometries"]
+    assert geometry["verdict"] == "pass", (
+        geometry["cases"],
+        geometry["aborted"],
+        done.stderr[-4000:],
+    )
+    assert geometry["cases"]["unbounded-index control"]["compared"] == 1, geometry["cases"]
+    assert done.returncode == 0, done.stderr[-4000:]

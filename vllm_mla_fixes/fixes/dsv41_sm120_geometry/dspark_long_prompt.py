@@ -25,7 +25,9 @@ What this package does about it
     None of the defects is reached, so no change would have a test that can
     fail.  What the SM120 indexer kernels emit for a long prompt, and the
     crash itself, need a GPU (docs/fixes/dsv41-sm120-geometry.md, "DSpark
-    and long prompts").  What doctor says is the part this package owns: a
+    and long prompts"): ``vllm-mla-fixes selftest --geometry
+    dspark-long-prefill`` (:data:`SELFTEST_COMMAND`) checks the first on the
+    operator's GPU, and doctor's warning names it.  What doctor says is the part this package owns: a
     DSpark line on SM12x is not READY while it admits prompts of the length
     the report crashes on, and doctor names the report, the length and the
     ways out.
@@ -58,6 +60,10 @@ SHORT_MAX_MODEL_LEN = 3072
 a quarter below it, since the report gives "about" 4k, not a bound."""
 DSPARK_OFF_ADVICE = "serve without --speculative-config"
 SHORT_PROMPTS_FLAG = f"--max-model-len {SHORT_MAX_MODEL_LEN}"
+SELFTEST_COMMAND = "vllm-mla-fixes selftest --geometry dspark-long-prefill"
+"""Checks, on the serving GPU's own indexer kernels, that a 12,288-token DSpark
+prefill's top-k indices stay below each token's visible length and that vLLM's
+gather loads only the request's blocks (the GPU test runs it)."""
 
 
 def findings(engine: EngineConfig) -> list[Finding]:
@@ -90,6 +96,7 @@ def findings(engine: EngineConfig) -> list[Finding]:
             f"{admits}, and vllm-mla-fixes does not fix that crash ({CANDIDATE_FIX}, the "
             "candidate upstream fix, is unmerged)",
             f"DSpark off: {DSPARK_OFF_ADVICE}; or prompts short of the reported length: "
-            f"{SHORT_PROMPTS_FLAG}",
+            f"{SHORT_PROMPTS_FLAG}; to check the indices the serving GPU picks on a long "
+            f"prompt: {SELFTEST_COMMAND}",
         )
     ]
