@@ -284,3 +284,34 @@ def test_the_control_is_left_out_where_the_fix_lays_out_no_split():
     with kc.pretend_gpu("sm120"):
         names, _ = plan_geometries(_device("sm12x", (12, 0)), everything)
     assert names == ("split", "fallback", "control", "upstream")
+
+
+@pytest.mark.vllm_release(fix_releases.newest(fix_releases.DSV41))
+@pytest.mark.parametrize("control_caught", [True, False])
+def test_the_summary_claims_only_the_dspark_check_that_ran(control_caught):
+    """``--geometry dspark-long-prefill`` alone: the verdict line speaks of
+    that check and says its indexer was a stand-in (CPU kernels), claims no
+    layout and no layout control; it passes only with its own control caught."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.report import Report
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.results import (
+        DSPARK_CASE,
+        DSPARK_CONTROL,
+    )
+
+    device = _device("cpu", None)
+    result = harness.new_result("dspark-long-prefill")
+    assert list(result.cases) == [DSPARK_CASE, DSPARK_CONTROL]
+    result.case(DSPARK_CASE).note(0.0, 0.0)
+    if control_caught:
+        result.case(DSPARK_CONTROL).note(0.0, 0.0)
+    report = Report("0.34.0", device, kn.Kernels.for_device(device), [result])
+    text = report.text()
+    (verdict,) = [line for line in text.splitlines() if line.startswith("verdict: ")]
+    if not control_caught:
+        assert report.exit_status == 1 and verdict.startswith("verdict: FAIL"), text
+        assert "control MISSED" in text
+        return
+    assert report.exit_status == 0, text
+    assert verdict.startswith("verdict: PASS - dspark-long-prefill: ") and "stand-in" in verdict
+    assert "the control was caught" not in verdict and "serving case" not in verdict
+    assert "layouts that work" not in text and report.as_json()["working_layouts"] == []
