@@ -111,12 +111,12 @@ def write_index_keys(view: torch.Tensor, gen: torch.Generator) -> None:
     pages, states, _ = view.shape
     flat = view.view(pages, -1)
     keys = (torch.randn(pages, states * ref.INDEX_DIM, generator=gen) * 2).to(torch.float8_e4m3fn)
-    flat[:, : states * ref.INDEX_DIM] = keys.view(torch.uint8)
+    flat[:, : states * ref.INDEX_DIM] = keys.view(torch.uint8).to(view.device)
     if ref.index_scales_are_ue8m0x4():
         unit = torch.full((pages, states * 4), 127, dtype=torch.uint8)  # 2 ** (127 - 127)
     else:
         unit = torch.ones(pages, states, dtype=torch.float32).view(torch.uint8)
-    flat[:, states * ref.INDEX_DIM :] = unit.view(pages, -1)
+    flat[:, states * ref.INDEX_DIM :] = unit.view(pages, -1).to(view.device)
 
 
 def indexer_indices(
