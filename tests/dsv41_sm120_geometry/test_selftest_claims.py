@@ -48,7 +48,7 @@ def _report(names: tuple[str, ...], broken: str | None = None):
 def _claimed(verdict: str) -> tuple[set[str], set[str]]:
     """(geometries the verdict's claims name, geometries it lists as not run)."""
     claims, _, not_run = verdict.partition("; not run: ")
-    words = set(re.findall(r"[a-z]+", claims))
+    words = set(re.findall(r"[a-z]+(?:-[a-z]+)*", claims))  # dspark-long-prefill whole
     return words & set(GEOMETRIES) - {"upstream"}, set(filter(None, not_run.split(", ")))
 
 
@@ -65,7 +65,7 @@ def test_the_verdict_names_exactly_the_geometries_that_ran():
         report = _report(names)
         verdict = report.verdict_line()
         claimed, not_run = _claimed(verdict)
-        checked = {n for n in names if GEOMETRIES[n].role in ("fix", "control")}
+        checked = {n for n in names if GEOMETRIES[n].role in ("fix", "control", "dspark")}
         assert claimed == checked, (names, verdict)
         assert not_run == set(GEOMETRIES) - set(names), (names, verdict)
         assert verdict.startswith("verdict: PASS" if checked else "verdict: NOT RUN"), verdict
@@ -80,6 +80,6 @@ def test_the_verdict_names_exactly_the_geometries_that_ran():
 def test_a_failed_verdict_names_what_failed_and_what_did_not_run():
     verdict = _report(("split", "control"), broken="control").verdict_line()
     assert verdict.startswith("verdict: FAIL (control MISSED) - do not serve"), verdict
-    assert verdict.endswith("; not run: fallback, upstream"), verdict
+    assert verdict.endswith("; not run: fallback, upstream, dspark-long-prefill"), verdict
     verdict = _report(("fallback",), broken="fallback").verdict_line()
     assert verdict.startswith("verdict: FAIL (fallback FAIL)"), verdict
