@@ -14,7 +14,8 @@ lock file's contents, and is a no-op when it already is.
     nox -s selftest-0.34.0    # `vllm-mla-fixes selftest --json` on this machine's device
     nox -s flashinfer-jit-0.33.0   # FlashInfer's SM120 sparse-MLA JIT build, locked toolkit (CPU)
     nox -s release-check      # build, check and install the release artifacts (CPU)
-    nox -s injections-0.32.0  # every injected bug of issue 46 caught, on one release (CPU)
+    nox -s injections-0.32.0  # every injected bug of issue 46 caught, on one release (CPU);
+                              # the newest release a fix covers runs them in its test session
 """
 
 from __future__ import annotations
@@ -148,6 +149,11 @@ INJECTION_SUITES = {
     ).exists()
 }
 INJECTION_RELEASES = sorted({r for rs in INJECTION_SUITES.values() for r in rs}, key=Version)
+# The release test sessions that run the injected bugs beside every other test
+# file (CI's `nox`): the newest release of each suite's fix, about 20 s each.
+# Its older releases run them in `injections-<release>`, outside CI's budget.
+INJECTIONS_IN_TEST_SESSION = {max(covered, key=Version) for covered in INJECTION_SUITES.values()}
+INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
 
 
 @nox.session(python="3.11", default=False)
@@ -184,6 +190,8 @@ TEST_WORKERS = min(4, os.cpu_count() or 1)
 
 
 def _release_session(release: str):
+    injections = {INJECTIONS_ENV: "1"} if release in INJECTIONS_IN_TEST_SESSION else {}
+
     def session_func(session: nox.Session) -> None:
         _install(session, release)
         session.run(
@@ -194,7 +202,7 @@ def _release_session(release: str):
             "--dist=loadfile",
             "--durations=15",  # the slowest tests, in every CI log: where its time goes
             *session.posargs,
-            env=CPU_TEST_ENV,
+            env={**CPU_TEST_ENV, **injections},
         )
 
     session_func.__doc__ = f"Install vLLM {release} as pinned, then run the tests that declare it."
@@ -202,10 +210,10 @@ def _release_session(release: str):
 
 
 # Issue 46: every bug tests/<fix>/injections.py names, injected in turn, its
-# catching tests run under it (tests/<fix>/test_bug_injections.py), alone: the
-# catchers leave the process's state behind, so no other test file may share
-# its interpreter.  Opt-in, not in CI; each prints the table.
-INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
+# catching tests run under it (tests/<fix>/test_bug_injections.py, which puts
+# back every vLLM and package attribute after each), on one release; each
+# prints the table.  CI runs them in the newest release's test session
+# (INJECTIONS_IN_TEST_SESSION); these sessions, opt-in, on any covered release.
 
 
 def _injections_session(release: str):

@@ -247,6 +247,37 @@ def _no_speculative_tokens(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(engine, "_speculative_tokens", lambda vllm_config: 0)
 
 
+def _drafter_keyed_by_its_own_copy(mp: pytest.MonkeyPatch) -> None:
+    """The engine's parallel layout read from the config a layer is built
+    under: DSpark's drafter, built under vLLM's one-stage copy, gets a
+    decision of its own."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import engine
+
+    mp.setattr(engine, "engine_parallel_config", lambda vllm_config: vllm_config.parallel_config)
+
+
+def _stages_from_the_process(mp: pytest.MonkeyPatch) -> None:
+    """A one-stage config's stages read from the pipeline group the process
+    holds (vLLM's private ``parallel_state._PP``): process state on the
+    decision's path."""
+    import copy
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import engine
+
+    def engine_parallel_config(vllm_config: Any) -> Any:
+        from vllm.distributed import parallel_state
+
+        parallel = vllm_config.parallel_config
+        group = getattr(parallel_state, "_PP", None)
+        if parallel.pipeline_parallel_size > 1 or group is None:
+            return parallel
+        parallel = copy.copy(parallel)
+        object.__setattr__(parallel, "pipeline_parallel_size", group.world_size)
+        return parallel
+
+    mp.setattr(engine, "engine_parallel_config", engine_parallel_config)
+
+
 # -------------------------------------------------------------------- table
 
 
@@ -308,6 +339,21 @@ def injections() -> Iterator[Injection]:
         "the draft model's own config ignored (DSpark)",
         _drafter_config_ignored,
         ((HELD, "test_dspark_reads_its_draft_models_own_config", {}),),
+    )
+    drafter_test = (
+        HELD,
+        "test_dsparks_drafter_is_decided_from_its_engines_configuration_alone",
+        {},
+    )
+    yield Injection(
+        "DSpark's drafter decided from its own one-stage copy of the config",
+        _drafter_keyed_by_its_own_copy,
+        (drafter_test,),
+    )
+    yield Injection(
+        "pipeline stages read from the process's pipeline group (parallel_state._PP)",
+        _stages_from_the_process,
+        (drafter_test,),
     )
     yield Injection(
         "speculative tokens forced to 0",

@@ -2,7 +2,10 @@
 
 Each injection is applied in this process, then its catchers run one after
 another (their bodies, with a fresh ``monkeypatch`` and ``tmp_path``) until
-one fails; the injection is undone after.  The test prints the table
+one fails; the injection is undone after, and every attribute of every vLLM
+module and class, and of this package's, is put back as it was before it: an
+injected ``revert()`` that skips a patch leaves that patch in vLLM, which the
+tests run after this one in the same process must not inherit.  The test prints the table
 injection -> the test that caught it (also written to ``$INJECTION_TABLE``
 where set), and fails if any injection survives every catcher.  One vLLM
 import, no second interpreter.
@@ -12,19 +15,82 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
 from pathlib import Path
+from types import FunctionType
+from typing import Any
 
 import pytest
 from fix_releases import DSV41, covered
 from injections import Catcher, injections
+from test_dsv41_one_decision import attribute_owners
+
+import vllm_mla_fixes
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
-# Opt-in (`nox -s injections-<release>` sets this variable): the catchers it
-# runs leave this process's state behind (CI run 4: test_dsv41_offload's
-# per-layer page mover, run after it in the same worker, then failed), so it
-# runs in a session of its own, never beside other test files.
+# CI runs the table on the newest covered release (the noxfile sets this
+# variable in that release's test session); `nox -s injections-<release>`
+# runs it on any covered release.  Elsewhere it is skipped: it costs ~20 s.
 INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
+PACKAGE = Path(vllm_mla_fixes.__file__).parent
+
+Attributes = dict[tuple[str, str], tuple[Any, Any]]
+
+
+def _attributes() -> Attributes:
+    """Every attribute of every imported module of vLLM and of this package,
+    and of every class they define: ``(owner, name) -> (owner object, value)``."""
+    return {
+        (owner_name, name): (owner, value)
+        for owner_name, owner in attribute_owners("vllm", "vllm_mla_fixes")
+        for name, value in list(vars(owner).items())
+    }
+
+
+def _ours(value: Any) -> bool:
+    """A function or class of this package (a wrapper's ``__module__`` is
+    the wrapped one's, its code is ours)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, FunctionType):
+        return Path(value.__code__.co_filename).is_relative_to(PACKAGE)
+    return isinstance(value, type) and value.__module__.startswith("vllm_mla_fixes")
+
+
+def _restore(before: Attributes) -> None:
+    """Every attribute ``before`` holds set back to its value there; one
+    added since to an owner it knew is removed where it is a class's or one
+    of ours (a module gains its submodules legitimately)."""
+    owners = {owner_name for owner_name, _ in before}
+    for (owner_name, name), (owner, value) in _attributes().items():
+        if (owner_name, name) in before:
+            if before[owner_name, name][1] is not value:
+                setattr(owner, name, before[owner_name, name][1])
+        elif owner_name in owners and (isinstance(owner, type) or _ours(value)):
+            delattr(owner, name)
+    for (_, name), (owner, value) in before.items():
+        if name not in vars(owner):
+            setattr(owner, name, value)
+
+
+def _left_behind(before: Attributes, meta_path: list[Any]) -> list[str]:
+    """What differs from ``before``: an attribute changed, a vLLM attribute
+    anywhere holding one of ours (a module imported while a patch was in
+    place keeps the patched function), an import hook left installed."""
+    after = _attributes()
+    changed = [
+        f"{owner_name}.{name}"
+        for (owner_name, name), (_, value) in before.items()
+        if (owner_name, name) not in after or after[owner_name, name][1] is not value
+    ]
+    held = [
+        f"{owner_name}.{name}"
+        for (owner_name, name), (_, value) in after.items()
+        if owner_name.startswith("vllm.") and _ours(value)
+    ]
+    hooks = [repr(hook) for hook in sys.meta_path if hook not in meta_path]
+    return changed + held + hooks
 
 
 def _releases_of(function: object, module: object) -> tuple[str, ...] | None:
@@ -69,16 +135,20 @@ def _shown(catcher: Catcher) -> str:
 
 
 def test_every_injected_bug_is_caught(request, tmp_path):
-    import vllm_mla_fixes
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 
     release = request.config.vllm_release
     if not os.environ.get(INJECTIONS_ENV):
-        pytest.skip(f"runs alone: `nox -s injections-{release}`")
+        pytest.skip(f"set {INJECTIONS_ENV}=1 or run `nox -s injections-{release}`")
     rows, survivors = [], []
     started = time.monotonic()
-    for number, injection in enumerate(injections()):
+    table = list(injections())  # imports every module the fix patches
+    vllm_mla_fixes.revert_all()
+    STATE.clear()
+    at_start, meta_path = _attributes(), list(sys.meta_path)
+    for number, injection in enumerate(table):
         caught = None
+        before = _attributes()
         with pytest.MonkeyPatch.context() as mp:
             injection.inject(mp)
             for index, catcher in enumerate(injection.catchers):
@@ -93,12 +163,16 @@ def test_every_injected_bug_is_caught(request, tmp_path):
                 if why is not None:
                     caught = (catcher, why)
                     break
+        vllm_mla_fixes.revert_all()
+        STATE.clear()
+        _restore(before)
         if caught is None:
             survivors.append(injection.name)
             rows.append(f"| {injection.name} | **survived** | |")
         else:
             rows.append(f"| {injection.name} | `{_shown(caught[0])}` | {caught[1]} |")
-    table = "\n".join(
+    assert _left_behind(at_start, meta_path) == [], "the injections left state behind"
+    report = "\n".join(
         [
             f"vLLM {release}: {len(rows)} injections, {len(survivors)} survived, "
             f"{time.monotonic() - started:.0f} s",
@@ -109,7 +183,7 @@ def test_every_injected_bug_is_caught(request, tmp_path):
         ]
     )
     with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
-        print("\n" + table)
+        print("\n" + report)
     if os.environ.get("INJECTION_TABLE"):
-        Path(os.environ["INJECTION_TABLE"]).write_text(table + "\n", encoding="utf-8")
+        Path(os.environ["INJECTION_TABLE"]).write_text(report + "\n", encoding="utf-8")
     assert not survivors, survivors

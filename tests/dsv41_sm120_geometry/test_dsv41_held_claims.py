@@ -292,6 +292,53 @@ def test_dspark_reads_its_draft_models_own_config():
         assert fix.engine_config(config).model.drafter_layers == 3
 
 
+def _dspark_engine(stages: int) -> tuple[Any, Any]:
+    """A DSpark engine of ``stages`` pipeline stages, and the copy of its
+    config vLLM builds DSpark's drafter under: the parallel config from
+    vLLM's own ``_get_dspark_parallel_config`` (one stage, the drafter's TP),
+    everything else shared (``load_dspark_model`` replaces the parallel,
+    attention and load configs only; the attention one as it was here)."""
+    import copy
+
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import _get_dspark_parallel_config
+
+    engine = _dspark(3)()
+    object.__setattr__(engine.parallel_config, "pipeline_parallel_size", stages)
+    # What EngineArgs.create_speculative_config hands the speculative config.
+    object.__setattr__(engine.speculative_config, "target_parallel_config", engine.parallel_config)
+    drafter = copy.copy(engine)
+    draft_parallel = _get_dspark_parallel_config(engine.parallel_config, 1, None)
+    object.__setattr__(drafter, "parallel_config", draft_parallel)
+    return engine, drafter
+
+
+def test_dsparks_drafter_is_decided_from_its_engines_configuration_alone(monkeypatch):
+    """DSpark's drafter layers are built under vLLM's one-stage copy of the
+    engine config; they get the engine's record, from configuration alone:
+    a pipeline group the process holds (another engine's, a worker's) is no
+    input -- the decision is a pure function of the engine's configuration."""
+    from vllm.distributed import parallel_state
+
+    engine, drafter = _dspark_engine(2)
+    assert drafter.parallel_config.pipeline_parallel_size == 1
+    with repro.sm120_platform():
+        expected = fix.engine_config(engine)
+        assert expected.pipeline_parallel == 2
+        assert fix.engine_config(drafter) == expected
+        one_stage = _config()
+        alone = fix.engine_config(one_stage)
+        # A stand-in for the pipeline group a worker of some engine holds.
+        monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=4), raising=False)
+        assert fix.engine_config(drafter) == expected
+        assert fix.engine_config(one_stage) == alone
+    STATE.clear()
+    try:
+        with repro.sm120_platform():
+            assert STATE.decision_for(drafter) == fix.decide(engine)
+    finally:
+        STATE.clear()
+
+
 # ---------------------------------------------------------------- cache folder
 
 

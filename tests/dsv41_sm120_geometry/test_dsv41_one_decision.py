@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fix_releases import DSV41, covered
@@ -321,23 +323,31 @@ def test_engines_differing_only_in_parallel_layout_each_get_a_fresh_decision():
 # ------------------------------------------------------------------ revert
 
 
+def attribute_owners(*packages: str) -> Iterator[tuple[str, Any]]:
+    """Every imported module of ``packages`` and every class such a module
+    defines, with its dotted name."""
+    import sys
+    from types import ModuleType
+
+    prefixes = tuple(f"{package}." for package in packages)
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith(prefixes) or not isinstance(module, ModuleType):
+            continue
+        yield module_name, module
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == module_name:
+                yield f"{module_name}.{value.__qualname__}", value
+
+
 def _vllm_attributes() -> dict[tuple[str, str], int]:
     """Identity of every attribute of every imported vLLM module and of
     every class such a module defines: the fix's targets, and every module
     that imported a patched function by name, without a list of them."""
-    import sys
-    from types import ModuleType
-
-    found = {}
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("vllm.") or not isinstance(module, ModuleType):
-            continue
-        for name, value in list(vars(module).items()):
-            found[module_name, name] = id(value)
-            if isinstance(value, type) and value.__module__ == module_name:
-                for attr, member in list(vars(value).items()):
-                    found[module_name, f"{value.__qualname__}.{attr}"] = id(member)
-    return found
+    return {
+        (owner_name, name): id(value)
+        for owner_name, owner in attribute_owners("vllm")
+        for name, value in list(vars(owner).items())
+    }
 
 
 def _fix_modules_imported() -> None:

@@ -265,24 +265,17 @@ def _speculative_tokens(vllm_config: Any) -> int:
         return 0
 
 
-def pipeline_size(vllm_config: Any) -> int:
-    """Pipeline stages of the engine ``vllm_config`` belongs to.  DSpark's
+def engine_parallel_config(vllm_config: Any) -> Any:
+    """The parallel config of the engine ``vllm_config`` belongs to.  DSpark's
     drafter is built under a copy of the engine config whose parallel config
-    vLLM sets to one stage (``_get_dspark_parallel_config`` in
-    ``v1/worker/gpu/spec_decode/dspark/utils.py``, 0.34.0); in a worker the
-    pipeline group vLLM initialised still says how many stages the engine has."""
-    configured = int(
-        getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1
-    )
-    if configured > 1:
-        return configured
-    try:
-        from vllm.distributed import parallel_state
-
-        group = parallel_state._PP
-    except Exception:  # noqa: BLE001 - no distributed state to ask: the configured size
-        return configured
-    return int(getattr(group, "world_size", configured) or configured)
+    vLLM sets to one stage and the drafter's TP (``_get_dspark_parallel_config``
+    in ``v1/worker/gpu/spec_decode/dspark/utils.py``, 0.32.0 to 0.34.0); the
+    speculative config both share holds the engine's own, set from its
+    arguments (``SpeculativeConfig.target_parallel_config``), so the drafter's
+    layers are decided as the engine's are, from configuration alone."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    target = getattr(speculative, "target_parallel_config", None)
+    return target if target is not None else getattr(vllm_config, "parallel_config", None)
 
 
 def with_pipeline_size(vllm_config: Any, stages: int) -> Any:
@@ -312,7 +305,7 @@ def _in_flight_tokens(vllm_config: Any, stages: int) -> int | None:
 def engine_config(vllm_config: Any) -> EngineConfig:
     """The record of ``vllm_config``; any part vLLM cannot give counts as unset."""
     cache = getattr(vllm_config, "cache_config", None)
-    parallel = getattr(vllm_config, "parallel_config", None)
+    parallel = engine_parallel_config(vllm_config)
     attention = getattr(vllm_config, "attention_config", None)
     scheduler = getattr(vllm_config, "scheduler_config", None)
     model, problem = _layout_of(vllm_config)
@@ -321,7 +314,7 @@ def engine_config(vllm_config: Any) -> EngineConfig:
     given = getattr(cache, "user_specified_block_size", True)
     max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
     forced = settings.value(DSV41_GEOMETRY)
-    stages = pipeline_size(vllm_config)
+    stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     return EngineConfig(
         model=model,
         model_problem=problem,
