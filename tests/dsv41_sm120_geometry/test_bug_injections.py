@@ -3,12 +3,12 @@
 Each injection is applied in this process, then its catchers run one after
 another (their bodies, with a fresh ``monkeypatch`` and ``tmp_path``) until
 one fails; the injection is undone after, and every attribute of every vLLM
-module and class, and of this package's, is put back as it was before it: an
-injected ``revert()`` that skips a patch leaves that patch in vLLM, which the
-tests run after this one in the same process must not inherit.  The test prints the table
-injection -> the test that caught it (also written to ``$INJECTION_TABLE``
-where set), and fails if any injection survives every catcher.  One vLLM
-import, no second interpreter.
+module and class, and of this package's, is put back as it was before the
+first: an injected ``revert()`` that skips a patch leaves that patch in vLLM,
+which the tests run after this one in the same process must not inherit.
+The test prints the table injection -> the test that caught it (also
+written to ``$INJECTION_TABLE`` where set), and fails if any injection
+survives every catcher.  One vLLM import, no second interpreter.
 """
 
 from __future__ import annotations
@@ -35,17 +35,27 @@ pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
 PACKAGE = Path(vllm_mla_fixes.__file__).parent
 
-Attributes = dict[tuple[str, str], tuple[Any, Any]]
+_MISSING = object()
+# Owner (module or class) name -> (the owner, a copy of its attributes).
+Attributes = dict[str, tuple[Any, dict[str, Any]]]
 
 
 def _attributes() -> Attributes:
     """Every attribute of every imported module of vLLM and of this package,
-    and of every class they define: ``(owner, name) -> (owner object, value)``."""
+    and of every class they define."""
     return {
-        (owner_name, name): (owner, value)
+        owner_name: (owner, dict(vars(owner)))
         for owner_name, owner in attribute_owners("vllm", "vllm_mla_fixes")
-        for name, value in list(vars(owner).items())
     }
+
+
+def _differs(owner: Any, saved: dict[str, Any]) -> bool:
+    """Whether ``owner``'s attributes are not ``saved`` (one comparison in C:
+    dict equality takes identical values as equal without asking them)."""
+    try:
+        return bool(dict(vars(owner)) != saved)
+    except Exception:  # noqa: BLE001 - a changed value whose == gives no bool (an array)
+        return True
 
 
 def _ours(value: Any) -> bool:
@@ -62,32 +72,37 @@ def _restore(before: Attributes) -> None:
     """Every attribute ``before`` holds set back to its value there; one
     added since to an owner it knew is removed where it is a class's or one
     of ours (a module gains its submodules legitimately)."""
-    owners = {owner_name for owner_name, _ in before}
-    for (owner_name, name), (owner, value) in _attributes().items():
-        if (owner_name, name) in before:
-            if before[owner_name, name][1] is not value:
-                setattr(owner, name, before[owner_name, name][1])
-        elif owner_name in owners and (isinstance(owner, type) or _ours(value)):
-            delattr(owner, name)
-    for (_, name), (owner, value) in before.items():
-        if name not in vars(owner):
-            setattr(owner, name, value)
+    for owner, saved in before.values():
+        if not _differs(owner, saved):
+            continue
+        current = dict(vars(owner))
+        for name, value in current.items():
+            if name not in saved:
+                if isinstance(owner, type) or _ours(value):
+                    delattr(owner, name)
+            elif saved[name] is not value:
+                setattr(owner, name, saved[name])
+        for name, value in saved.items():
+            if name not in current:
+                setattr(owner, name, value)
 
 
 def _left_behind(before: Attributes, meta_path: list[Any]) -> list[str]:
     """What differs from ``before``: an attribute changed, a vLLM attribute
     anywhere holding one of ours (a module imported while a patch was in
     place keeps the patched function), an import hook left installed."""
-    after = _attributes()
     changed = [
         f"{owner_name}.{name}"
-        for (owner_name, name), (_, value) in before.items()
-        if (owner_name, name) not in after or after[owner_name, name][1] is not value
+        for owner_name, (owner, saved) in before.items()
+        if _differs(owner, saved)
+        for name, value in saved.items()
+        if vars(owner).get(name, _MISSING) is not value
     ]
     held = [
         f"{owner_name}.{name}"
-        for (owner_name, name), (_, value) in after.items()
-        if owner_name.startswith("vllm.") and _ours(value)
+        for owner_name, owner in attribute_owners("vllm")
+        for name, value in list(vars(owner).items())
+        if _ours(value)
     ]
     hooks = [repr(hook) for hook in sys.meta_path if hook not in meta_path]
     return changed + held + hooks
@@ -148,7 +163,6 @@ def test_every_injected_bug_is_caught(request, tmp_path):
     at_start, meta_path = _attributes(), list(sys.meta_path)
     for number, injection in enumerate(table):
         caught = None
-        before = _attributes()
         with pytest.MonkeyPatch.context() as mp:
             injection.inject(mp)
             for index, catcher in enumerate(injection.catchers):
@@ -165,7 +179,7 @@ def test_every_injected_bug_is_caught(request, tmp_path):
                     break
         vllm_mla_fixes.revert_all()
         STATE.clear()
-        _restore(before)
+        _restore(at_start)
         if caught is None:
             survivors.append(injection.name)
             rows.append(f"| {injection.name} | **survived** | |")
