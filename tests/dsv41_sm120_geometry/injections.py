@@ -278,6 +278,70 @@ def _stages_from_the_process(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(engine, "engine_parallel_config", engine_parallel_config)
 
 
+# ------------------------------------------------------------ pipeline ranks
+
+
+def _stage_of(vllm_config: Any) -> tuple[int, int]:
+    """(this rank's pipeline stage, the stages), as vLLM's worker sets
+    ``parallel_config.rank`` = stage * tensor-parallel size + TP rank."""
+    parallel = vllm_config.parallel_config
+    return parallel.rank // parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+
+
+def _with_decide_for(mp: pytest.MonkeyPatch, rewrite: Callable[[Any, int, int], Any]) -> None:
+    """Decide each engine from ``rewrite(engine, stage, stages)``."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import fix_state
+
+    honest = fix_state.decide_for
+
+    def decide_for(engine: Any, vllm_config: Any) -> Any:
+        if engine.model is None:
+            return honest(engine, vllm_config)
+        return honest(rewrite(engine, *_stage_of(vllm_config)), vllm_config)
+
+    mp.setattr(fix_state, "decide_for", decide_for)
+
+
+def drafter_dropped_off_the_last_stage(mp: pytest.MonkeyPatch) -> None:
+    """Every stage but the last plans without DSpark's drafter layers, which
+    vLLM builds only on the last stage."""
+
+    def rewrite(engine: Any, stage: int, stages: int) -> Any:
+        if stage == stages - 1:
+            return engine
+        return dataclasses.replace(
+            engine, model=dataclasses.replace(engine.model, drafter_layers=0)
+        )
+
+    _with_decide_for(mp, rewrite)
+
+
+def _planned_on_the_stages_backbone(mp: pytest.MonkeyPatch) -> None:
+    """Each stage plans (its capacity figures, the 2% rule) on the backbone
+    layers vLLM's partition gives it, not the whole model's."""
+    from vllm.distributed.utils import get_pp_indices
+
+    def rewrite(engine: Any, stage: int, stages: int) -> Any:
+        model = engine.model
+        start, end = get_pp_indices(model.backbone_layers, stage, stages)
+
+        def held(layers: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(layer - start for layer in layers if start <= layer < end)
+
+        return dataclasses.replace(
+            engine,
+            model=dataclasses.replace(
+                model,
+                backbone_layers=end - start,
+                compress_ratios=model.compress_ratios[start:end],
+                kv_sources=held(model.kv_sources),
+                index_sources=held(model.index_sources),
+            ),
+        )
+
+    _with_decide_for(mp, rewrite)
+
+
 # -------------------------------------------------------------------- table
 
 
@@ -354,6 +418,21 @@ def injections() -> Iterator[Injection]:
         "pipeline stages read from the process's pipeline group (parallel_state._PP)",
         _stages_from_the_process,
         (drafter_test,),
+    )
+    pipeline_test = (
+        "test_dsv41_one_decision",
+        "test_pipeline_ranks_decide_alike",
+        {"pp_size": 2, "tp_size": 1, "dspark": True},
+    )
+    yield Injection(
+        "DSpark's drafter layers dropped on every pipeline stage but the last",
+        drafter_dropped_off_the_last_stage,
+        (pipeline_test,),
+    )
+    yield Injection(
+        "each pipeline stage planned on the backbone layers it holds",
+        _planned_on_the_stages_backbone,
+        (pipeline_test,),
     )
     yield Injection(
         "speculative tokens forced to 0",

@@ -268,24 +268,13 @@ def test_pipeline_ranks_decide_alike(pp_size, tp_size, dspark):
 
 
 def test_pipeline_test_catches_rank_dependent_planning(monkeypatch):
-    """The injected bug: the decision planned on the layers a pipeline rank
-    holds (its rank read from ``parallel_config.rank``, as vLLM's worker sets
-    it), so stages without DSpark's drafter plan without its layers (its
-    rows, the 2% rule's figures).  The pipeline test's comparison must go red."""
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import fix_state
+    """The injected bug (``injections.py``, here on every covered release):
+    stages without DSpark's drafter plan without its layers (its rows, the
+    2% rule's figures), their stage read from ``parallel_config.rank`` as
+    vLLM's worker sets it.  The pipeline test's comparison must go red."""
+    from injections import drafter_dropped_off_the_last_stage
 
-    honest = fix_state.decide_for
-
-    def planned_on_this_rank(engine, vllm_config):
-        parallel = vllm_config.parallel_config
-        stage = parallel.rank // parallel.tensor_parallel_size
-        if stage != parallel.pipeline_parallel_size - 1 and engine.model is not None:
-            engine = dataclasses.replace(
-                engine, model=dataclasses.replace(engine.model, drafter_layers=0)
-            )
-        return honest(engine, vllm_config)
-
-    monkeypatch.setattr(fix_state, "decide_for", planned_on_this_rank)
+    drafter_dropped_off_the_last_stage(monkeypatch)
     with repro.applied((12, 0)), repro.sm120_platform(), pytest.raises(AssertionError) as caught:
         _pipeline_engine(128, 2, 2, True)
     assert "assert 2 == 1" in str(caught.value), caught.value  # the ranks' answers differ
