@@ -486,6 +486,9 @@ def test_build_wheel_stopped_leaves_the_folder_as_it_was(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as a terminal starts it: under nohup (a background CI job) SIGHUP is
+        # ignored, and the command rightly leaves an ignored SIGHUP ignored
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:

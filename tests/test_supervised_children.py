@@ -106,7 +106,9 @@ def test_a_stopped_parent_ends_the_childs_whole_group(signum, tmp_path):
             "-c",
             "import signal, sys\n"
             "from vllm_mla_fixes import children\n"
+            # as a terminal starts it: nohup (a background CI job) leaves both ignored
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
             "children.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], timeout=600)\n",
             HANGING_CHILD,
             str(said),

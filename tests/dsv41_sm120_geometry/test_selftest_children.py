@@ -230,8 +230,9 @@ def test_a_stopping_signal_ends_every_child_group_then_acts_as_before(site, sign
         from vllm_mla_fixes import children
         if __name__ == "__main__":
             # as a terminal starts Python; a background job (CI under nohup) starts
-            # it with SIGINT ignored, which supervised() leaves ignored
+            # it with SIGINT (and SIGHUP) ignored, which supervised() leaves ignored
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
             context = multiprocessing.get_context("spawn")
             try:
                 with children.supervised():
