@@ -199,13 +199,17 @@ def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_gpu_tests_on_a_machine_without_the_declared_gpu():
-    """No GPU here: the GPU tests skip; declared, the same skips fail the session."""
-    target = str(GPU_TESTS / "test_fp8_ds_mla_reshape_gpu.py")
-    plain = _pytest(target)
-    assert plain.returncode == 0 and "3 skipped" in plain.stdout, plain.stdout[-3000:]
-    declared = _pytest(target, VLLM_MLA_FIXES_EXPECT_GPU_CC="9")
+    """No GPU here: the GPU tests skip; declared, the same skips fail the session.
+    The vllm#56771 replay is a strict xfail: its skip must fail there all the same."""
+    targets = [
+        str(GPU_TESTS / "test_fp8_ds_mla_reshape_gpu.py"),
+        str(TESTS / "dsv41_sm120_geometry" / "gpu" / "test_dspark_long_prompt_gpu.py"),
+    ]
+    plain = _pytest(*targets)
+    assert plain.returncode == 0 and "4 skipped" in plain.stdout, plain.stdout[-3000:]
+    declared = _pytest(*targets, VLLM_MLA_FIXES_EXPECT_GPU_CC="9")
     assert declared.returncode == 1, declared.stdout[-3000:]
-    assert "3 errors" in declared.stdout, declared.stdout[-3000:]  # the fixture skipped
+    assert "4 errors" in declared.stdout, declared.stdout[-3000:]  # the fixtures skipped
     assert (
         "VLLM_MLA_FIXES_EXPECT_GPU_CC=9 declares an SM9x GPU on this runner, but the test "
         "skipped: needs a CUDA GPU" in declared.stdout

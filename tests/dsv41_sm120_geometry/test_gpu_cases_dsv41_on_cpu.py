@@ -19,10 +19,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fix_releases import DSV41, covered
 from gpu_case_helpers import GPU_TESTS, assert_built, cpu_env, read_serve_lines
+
+ROOT = Path(__file__).resolve().parents[2]
 
 API_SERVER_PID, ENGINE_PID = 100, 200
 
@@ -433,7 +436,7 @@ def test_dsv41_without_fix_fails_on_an_unrelated_failure(version, block_size):
 def test_dsv41_gpu_serve_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
     """Every DeepSeek-V4.1 GPU test line: the report's flags reach the engine arguments
     as the test means them, and the release builds its VllmConfig from them (CPU platform)."""
-    lines = serve_lines["serve"]
+    lines = {name: seen for name, seen in serve_lines["serve"].items() if "dspark" not in name}
     assert sorted(lines) == sorted(f"dsv41 bs{b}{e}" for b in (64, 128) for e in ("", " eager")), (
         lines
     )
@@ -445,3 +448,44 @@ def test_dsv41_gpu_serve_lines_parse_and_build_with_the_releases_own_parser(serv
         assert (seen["kv_cache_dtype"], seen["indexer_kv_dtype"]) == ("fp8", "fp8"), seen
         assert seen["enforce_eager"] == name.endswith("eager"), seen
         assert seen["load_format"] == "dummy", seen
+
+
+@pytest.mark.vllm_release(*covered(DSV41))
+def test_dsv41_dspark_long_prompt_line_builds_the_reports_drafter(serve_lines):
+    """vllm#56771's GPU replay (``gpu/test_dspark_long_prompt_gpu.py``): the release
+    builds a DSpark engine from the line, with the report's 5 speculative tokens, a
+    V4.1 DSpark drafter whose config has the fields vLLM's drafter reads, and room for
+    the 12,288-token prompt in 2,048-token prefill chunks."""
+    from dsv41_sm120_geometry.gpu import test_dspark_long_prompt_gpu as replay
+
+    seen = serve_lines["serve"]["dsv41 dspark long prompt"]
+    assert_built(seen)
+    built = seen["engine_config"]
+    assert built["architectures"] == ["DeepseekV41ForCausalLM"], seen
+    assert built["max_model_len"] >= replay.LONG_PROMPT_TOKENS + replay.MAX_TOKENS, seen
+    assert seen["max_num_batched_tokens"] < replay.LONG_PROMPT_TOKENS // 4, seen  # several chunks
+    speculative = built["speculative"]
+    assert (speculative["method"], speculative["num_speculative_tokens"]) == ("dspark", 5), seen
+    assert speculative["draft_architectures"] == ["DSparkV41DraftModel"], seen
+    fields = speculative["draft_fields"]
+    assert fields["dspark_target_layer_ids"] and fields["dspark_markov_rank"], fields
+    assert seen["attention_backend"].endswith("FLASHINFER_MLA_SPARSE_DSV41"), seen
+    assert (seen["block_size"], seen["load_format"]) == (128, "dummy"), seen
+
+
+def test_dspark_replay_model_is_the_tiny_model_with_dsparks_fields():
+    """The replay's config.json differs from the tiny DeepSeek-V4.1 only in DSpark's
+    fields and its position limit, so the geometry tests' model is what it serves."""
+    import json
+
+    from dsv41_sm120_geometry.gpu import test_dspark_long_prompt_gpu as replay
+
+    tiny = json.loads((ROOT / "vllm_mla_fixes/models/tiny_deepseek_v41/config.json").read_text())
+    dspark = json.loads((replay.MODEL_DIR / "config.json").read_text())
+    added = {"dspark_target_layer_ids", "dspark_markov_rank"}
+    changed = {"max_position_embeddings"}
+    text, tiny_text = dspark.pop("text_config"), tiny.pop("text_config")
+    assert dspark == tiny
+    assert set(text) - set(tiny_text) == added
+    assert {k for k in tiny_text if text[k] != tiny_text[k]} == changed
+    assert text["max_position_embeddings"] >= replay.MAX_MODEL_LEN

@@ -87,6 +87,7 @@ def build_serve_line(model: Path, flags: list[str]) -> dict:
         "indexer_kv_dtype": getattr(attention, "indexer_kv_dtype", None),
         "enforce_eager": engine_args.enforce_eager,
         "max_model_len": engine_args.max_model_len,
+        "max_num_batched_tokens": engine_args.max_num_batched_tokens,
         "load_format": engine_args.load_format,
     }
     try:
@@ -95,9 +96,27 @@ def build_serve_line(model: Path, flags: list[str]) -> dict:
             "architectures": config.model_config.architectures,
             "max_model_len": config.model_config.max_model_len,
         }
+        if config.speculative_config is not None:
+            seen["engine_config"]["speculative"] = speculative_seen(config.speculative_config)
     except Exception as exc:  # noqa: BLE001 - report where the CPU stopped
         seen["engine_config_error"] = f"{type(exc).__name__}: {exc}"[:600]
     return seen
+
+
+# The fields of the draft's config that vLLM's DeepSeek-V4.1 DSpark drafter
+# reads at start-up (``models/deepseek_v41/nvidia/dspark.py``).
+DSPARK_DRAFT_FIELDS = ("dspark_target_layer_ids", "dspark_markov_rank", "num_nextn_predict_layers")
+
+
+def speculative_seen(speculative) -> dict:
+    """What a line's ``SpeculativeConfig`` became: method, width and the draft."""
+    draft = speculative.draft_model_config.hf_config
+    return {
+        "method": speculative.method,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+        "draft_architectures": list(draft.architectures),
+        "draft_fields": {name: getattr(draft, name, None) for name in DSPARK_DRAFT_FIELDS},
+    }
 
 
 def build_llm_case(**changes) -> dict:
