@@ -21,7 +21,9 @@ import of vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
@@ -162,7 +164,7 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
     from vllm_mla_fixes.serve_line import cuda_device_type_while_parsing, engine_args
 
-    with cuda_device_type_while_parsing() as platform:
+    with cuda_device_type_while_parsing() as platform, _model_name_kept():
         args = engine_args(serve_argv)
     settings = engine_settings(args)
     text, figures = model_text(model_config)
@@ -211,6 +213,24 @@ def predict(serve_argv: list[str], model_config: dict | None = None) -> Predicti
         shapes=shapes,
         shape_problem=problem,
     )
+
+
+@contextlib.contextmanager
+def _model_name_kept() -> Iterator[None]:
+    """The prediction reads the line's settings, and the model's figures from
+    the config.json doctor read (built-in ones where none was): never the
+    model's files.  With HF_HUB_OFFLINE=1 vLLM's engine arguments swap a hub
+    name for its hub-cache folder, and stop where it is not cached; held off
+    here, a hub name out of reach is predicted alike with the setting or with
+    no network (doctor's model finding says the name is all it has)."""
+    import huggingface_hub.constants
+
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = False
+    try:
+        yield
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE = offline
 
 
 def _planner_refusal(
