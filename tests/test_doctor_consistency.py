@@ -325,7 +325,8 @@ def no_line_no_line_talk(report: Report) -> list[str]:
 TESTED_HERE = {
     "pip install ": "test_cli_contract.py installs a checkout",
     "pip uninstall -y ": "test_doctor.py::test_remedy_*",
-    "export VLLM_PLUGINS=": "test_doctor.py::test_glm_line_without_the_plugin_* (run by bash)",
+    "export VLLM_PLUGINS=": "test_doctor.py::test_glm_line_without_the_plugin_*, "
+    "test_printed_values.py::test_the_remedy_doctor_prints_gets_the_fix_applied (run by bash)",
     "export VLLM_MLA_FIXES=": "test_enable_all_advice_applies_the_fixes, below",
     "vllm-mla-fixes status": "the README's tested block",
     "vllm-mla-fixes doctor ": "test_offline_advice_runs_on_a_local_folder, below",

@@ -11,17 +11,21 @@ doctor run with such a value: ``test_doctor.py::test_glm_line_without_the_plugin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
+from importlib.metadata import version
+from unittest import mock
 
 import pytest
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import DSV41, FP8, newest, newest_covered
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_mla_fixes import settings as plugin_settings
-from vllm_mla_fixes.report import PLUGIN, plugins_advice, shell_word, spaced_note
+from vllm_mla_fixes.fixes import FIXES_BY_NAME
+from vllm_mla_fixes.report import PLUGIN, Finding, plugins_advice, shell_word, spaced_note
 
 pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
 
@@ -96,3 +100,108 @@ def test_settings_are_shown_escaped_and_cut():
         plugin_settings.FIXES, {"VLLM_MLA_FIXES": ",".join(["y" * 50_000] * 20)}
     )
     assert unknown is not None and len(unknown.describe()) < 2000, "a long value is cut"
+
+
+# -- remedies follow the cause (issue 44) ------------------------------------------
+
+# What VLLM_PLUGINS and VLLM_MLA_FIXES may hold: unset (None), empty, lists that
+# name the plugin or not (with the spaces vLLM keeps), the fixes' names, keywords
+# and names no fix has.
+PLUGIN_NAMES = st.sampled_from([PLUGIN, f" {PLUGIN}", f"{PLUGIN} ", "lora_filesystem_resolver", ""])
+FIX_WORDS = st.sampled_from([*FIXES_BY_NAME, "all", "none", "no-such-fix", " "])
+PLUGIN_SETTINGS = st.none() | st.lists(PLUGIN_NAMES, max_size=3).map(",".join)
+FIX_SETTINGS = st.none() | st.lists(FIX_WORDS, max_size=3).map(",".join)
+UNSET = "<unset>"  # what bash prints for a variable it does not hold (no setting here is)
+
+
+def _plugin_state(environ: dict[str, str], fix: str, everything_on: str) -> str:
+    """The fix's state in a process under ``environ``, as vLLM's loader reads
+    VLLM_PLUGINS (exact names, split at commas) and the plugin VLLM_MLA_FIXES
+    (a value not allowed is the default, all fixes); ``everything_on``: its
+    state with both unset."""
+    plugins = environ.get("VLLM_PLUGINS")
+    if plugins is not None and PLUGIN not in plugins.split(","):
+        return "skipped"  # never loaded, so never evaluated
+    selected = plugin_settings.value(plugin_settings.FIXES, environ)
+    return "disabled" if selected is not None and fix not in selected else everything_on
+
+
+def _after(command: str, environ: dict[str, str]) -> dict[str, str]:
+    """Both settings after bash, started with ``environ``, runs ``command``."""
+    script = (
+        f'{command} && printf "%s\\0%s" "${{VLLM_PLUGINS-{UNSET}}}" "${{VLLM_MLA_FIXES-{UNSET}}}"'
+    )
+    done = subprocess.run(
+        ["bash", "-c", script], env=environ, capture_output=True, timeout=30, check=True
+    )
+    plugins, fixes = (os.fsdecode(v) for v in done.stdout.split(b"\0"))
+    read = {"VLLM_PLUGINS": plugins, "VLLM_MLA_FIXES": fixes}
+    return {k: v for k, v in read.items() if v != UNSET}
+
+
+@pytest.fixture(scope="module")
+def judged_line():
+    """The fix this release applies (where the line is served) with both
+    settings unset, its state then (the plugin loaded by vLLM's loader, as
+    `status` and doctor load it), doctor's environment and its parse of a
+    line that meets the fix's failure."""
+    from doctor_runs import DSV41_LINE
+
+    from vllm_mla_fixes import doctor
+    from vllm_mla_fixes.reproductions.fp8_ds_mla import TINY_GLM_DSA
+
+    fix = FP8.name if version("vllm") == newest(FP8) else DSV41.name
+    line = {
+        FP8.name: ["vllm", "serve", str(TINY_GLM_DSA.parent), "--kv-cache-dtype", "fp8"]
+        + ["--attention-backend", "FLASHMLA_SPARSE", "--block-size", "64"],
+        # 128-token blocks: upstream's layout does not start on SM12x, the fix's does
+        DSV41.name: [*DSV41_LINE[:-1], "128"],
+    }[fix]
+    plain = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
+    with mock.patch.dict(os.environ, plain, clear=True):
+        env, serve, _ = doctor.diagnose(line)  # the plugin's states via vLLM's loader, as status
+    return fix, env.fix_states[fix], env, serve, plain
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(PLUGIN_SETTINGS, FIX_SETTINGS)
+@example("lora_filesystem_resolver", None)  # issue 44's defect 4
+@example(f"lora_filesystem_resolver, {PLUGIN}", "none")
+def test_the_remedy_doctor_prints_gets_the_fix_applied(judged_line, vllm_plugins, mla_fixes):
+    """Each remedy doctor prints for the fix, run in bash, gets the plugin to
+    the state it has with nothing set (applied where the line is served);
+    where nothing is printed, the fix is in that state already."""
+    fix, everything_on, base_env, serve, plain = judged_line
+    environ = dict(plain)
+    for name, value in (("VLLM_PLUGINS", vllm_plugins), ("VLLM_MLA_FIXES", mla_fixes)):
+        if value is not None:
+            environ[name] = value
+
+    def findings(environ: dict[str, str]) -> list[Finding]:
+        state = _plugin_state(environ, fix, everything_on["state"])
+        reason = everything_on["reason"] if state == everything_on["state"] else state
+        env = dataclasses.replace(
+            base_env,
+            vllm_plugins=environ.get("VLLM_PLUGINS"),
+            mla_fixes=environ.get("VLLM_MLA_FIXES"),
+            fix_states={fix: {"state": state, "reason": reason}},
+        )
+        return FIXES_BY_NAME[fix].diagnose(env, serve)
+
+    remedies = {
+        f.advice.split("   (", 1)[0]
+        for f in findings(environ)
+        if f.level == "error" and f.advice.startswith("export ")
+    }
+    if _plugin_state(environ, fix, everything_on["state"]) == everything_on["state"]:
+        assert not remedies
+        return
+    assert remedies, "the fix is not applied, and doctor prints no way out"
+    for command in remedies:
+        after = {**environ, **_after(command, environ)}
+        assert _plugin_state(after, fix, everything_on["state"]) == everything_on["state"], (
+            vllm_plugins,
+            mla_fixes,
+            command,
+        )
+        assert not [f for f in findings(after) if f.level == "error"], command

@@ -163,12 +163,21 @@ def fix_verdict(env: Environment, name: str) -> Finding:
             "error", name, "vllm-mla-fixes is not installed where vLLM runs", install_advice()
         )
     if env.vllm_plugins is not None and PLUGIN not in env.vllm_plugins.split(","):
+        # once loaded, the plugin reads VLLM_MLA_FIXES: a remedy that leaves the fix
+        # deselected there would only lead to the next finding
+        selected = settings.value(settings.FIXES, {settings.FIXES.name: env.mla_fixes or ""})
+        deselected = selected is not None and name not in selected
         return Finding(
             "error",
             name,
             f"VLLM_PLUGINS={settings.shown(env.vllm_plugins)} does not name {PLUGIN}"
-            f"{spaced_note(env.vllm_plugins)}, so vLLM never loads the fix",
-            plugins_advice(env.vllm_plugins),
+            f"{spaced_note(env.vllm_plugins)}, so vLLM never loads the fix"
+            + (
+                f", and VLLM_MLA_FIXES={settings.shown(env.mla_fixes or '')} leaves it out"
+                if deselected
+                else ""
+            ),
+            plugins_advice(env.vllm_plugins, enable_all=deselected),
         )
     where = f"on {serving_node}" if serving_node else "here"
     if state == "not-needed":
@@ -250,13 +259,16 @@ def spaced_note(vllm_plugins: str) -> str:
     return ""
 
 
-def plugins_advice(vllm_plugins: str) -> str:
+def plugins_advice(vllm_plugins: str, enable_all: bool = False) -> str:
     """The VLLM_PLUGINS setting that keeps the plugins named (without the
-    spaces vLLM would keep) and loads this one, as one shell word."""
+    spaces vLLM would keep) and loads this one, as one shell word; with
+    ``enable_all``, VLLM_MLA_FIXES=all in the same command."""
     names = dict.fromkeys(n for n in (*(p.strip() for p in vllm_plugins.split(",")), PLUGIN) if n)
-    return (
-        f"export VLLM_PLUGINS={shell_word(','.join(names))}   "
-        "(or unset VLLM_PLUGINS: then vLLM loads every plugin)"
+    return f"export VLLM_PLUGINS={shell_word(','.join(names))}" + (
+        " VLLM_MLA_FIXES=all   (or unset VLLM_PLUGINS VLLM_MLA_FIXES: then vLLM loads "
+        "every plugin, and the plugin every fix)"
+        if enable_all
+        else "   (or unset VLLM_PLUGINS: then vLLM loads every plugin)"
     )
 
 
