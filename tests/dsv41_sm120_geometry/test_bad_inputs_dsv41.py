@@ -21,14 +21,18 @@ def test_selftest_report_of_an_empty_path_is_refused_at_once(tmp_path):
     assert time.monotonic() - started < 30  # before torch, vLLM or any geometry
 
 
-def test_selftest_prints_its_report_before_writing_it(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("raised", ["CannotWrite", "OSError"])
+def test_selftest_prints_its_report_before_writing_it(tmp_path, monkeypatch, capsys, raised):
     """A report file that cannot be written after the run (the disk filled
     up meanwhile) loses nothing: the report is on stdout already, and one
-    line says the file is missing."""
+    line says the file is missing -- whether the writer names the failure
+    (CannotWrite, as it does for a failed write) or an OSError escapes it."""
     from vllm_mla_fixes import atomic
     from vllm_mla_fixes import cli as cli_module
 
     def disk_full(target, data):
+        if raised == "CannotWrite":
+            raise atomic.CannotWrite(target, "No space left on device")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(atomic, "write_atomic", disk_full)

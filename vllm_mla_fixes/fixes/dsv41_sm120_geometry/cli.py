@@ -107,10 +107,11 @@ def cmd_selftest(args: argparse.Namespace) -> int:
     if args.report is not None:
         try:
             atomic.write_atomic(Path(args.report), document + "\n")
-        except atomic.CannotWrite as exc:  # the results are printed above; only the file is missing
+        except OSError as exc:  # the results are printed above; only the file is missing
+            reason = exc.reason if isinstance(exc, atomic.CannotWrite) else exc.strerror or exc
             print(
                 f"{PROG} selftest: error: --report {args.report!r} not written "
-                f"({exc.reason}); the report is printed above",
+                f"({reason}); the report is printed above",
                 file=sys.stderr,
             )
             return EXIT_USAGE  # the path given cannot be written: as when checked first
