@@ -157,9 +157,20 @@ def judged_line():
         # 128-token blocks: upstream's layout does not start on SM12x, the fix's does
         DSV41.name: [*DSV41_LINE[:-1], "128"],
     }[fix]
+    import vllm.plugins
+
+    import vllm_mla_fixes
+
     plain = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
-    with mock.patch.dict(os.environ, plain, clear=True):
+    # as in a fresh process: vLLM's loader runs once per process, and a test
+    # file before this one in the worker may have run it under other settings
+    vllm_mla_fixes.revert_all()
+    with (
+        mock.patch.dict(os.environ, plain, clear=True),
+        mock.patch.object(vllm.plugins, "plugins_loaded", False),
+    ):
         env, serve, _ = doctor.diagnose(line)  # the plugin's states via vLLM's loader, as status
+    vllm_mla_fixes.revert_all()
     return fix, env.fix_states[fix], env, serve, plain
 
 
