@@ -282,7 +282,11 @@ def test_unknown_model_is_not_checked(tmp_path, monkeypatch):
         ["vllm", "serve", "Qwen/Qwen3-8B", "--block-size", "64"], load_plugins=False
     )
     assert serve is not None and serve.model == "Qwen/Qwen3-8B"
-    (unknown,) = [f for f in findings if f.topic == "model"]
+    offline, unknown = [f for f in findings if f.topic == "model"]
     assert unknown.message.startswith("unknown model: not checked (Qwen/Qwen3-8B: ")
+    # the tests' hub is a closed port (conftest): no network, said as a warning (issue 44)
+    assert offline.level == "warn" and offline.message.startswith(
+        "cannot check the model's config: offline"
+    )
     assert not [f for f in findings if f.topic == "dsv41-sm120-geometry"]
-    assert doctor.verdict(findings).label == "READY"
+    assert doctor.verdict(findings).label == "READY WITH WARNINGS"

@@ -142,7 +142,7 @@ def test_report_line_gets_the_engines_decision_off_the_gpu_node(dspark):
     predicted = prediction.predict(line)
     engine_config, decision = _engine(line)
     assert predicted.decision == decision
-    assert predicted.report() == fix.engine_report(engine_config, decision)
+    assert predicted.engine_report() == fix.engine_report(engine_config, decision)
     assert predicted.settings.speculative_method == ("dspark" if dspark else None)
     assert predicted.decision.fix_tokens and predicted.decision.max_model_len == 8192
     # TP8 of DeepSeek-V4.1-Flash's 64 heads: 8 heads per rank, window 128, top-k 512
@@ -223,7 +223,7 @@ def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block
     engine_config, decision = _engine(line, model, model["max_position_embeddings"])
     assert predicted.model_figures == "from config.json"
     assert predicted.decision == decision
-    assert predicted.report() == fix.engine_report(engine_config, decision)
+    assert predicted.engine_report() == fix.engine_report(engine_config, decision)
     assert (
         decision.fix_tokens is not None
         and decision.max_model_len == model["max_position_embeddings"]

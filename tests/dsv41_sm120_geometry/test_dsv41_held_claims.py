@@ -498,15 +498,7 @@ def test_doctor_decides_what_the_engine_decides_one_field_from_flash(case, monke
     }
     assert differing == {}, (case, differing)
     assert predicted.decision == decision, (case, predicted.decision.reason, decision.reason)
-    engines_report = fix.engine_report(engine, decision)
-    doctors_report = predicted.report()
-    # doctor's object is the engine's report plus its figure against upstream's
-    # best working layout (issue 44), which no engine reports
-    assert {k: doctors_report[k] for k in engines_report} == engines_report
-    assert set(doctors_report) - set(engines_report) == {
-        "best_working_upstream_block_size",
-        "vs_best_working_upstream",
-    }
+    assert predicted.engine_report() == fix.engine_report(engine, decision)
     heads = {s.heads for s in predicted.shapes}
     topks = {s.topk for s in predicted.shapes}
     assert heads == {model["num_attention_heads"] // 2}, heads

@@ -90,10 +90,15 @@ class Prediction:
         else:
             best_size, versus = None, None
         return {
-            **engine_report(self.engine, self.decision),
+            **self.engine_report(),
             "best_working_upstream_block_size": best_size,
             "vs_best_working_upstream": versus,
         }
+
+    def engine_report(self) -> dict[str, Any]:
+        """The part of :meth:`report` an engine reports too (``status --json``):
+        the engine's record and its decision."""
+        return engine_report(self.engine, self.decision)
 
     @property
     def vs_best_working_upstream(self) -> float | None:
