@@ -259,7 +259,8 @@ def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch)
         "--max-model-len",
         "32768",
     ]
-    doctor_object = prediction.predict(line, {"text_config": model}).report()
+    # doctor's object adds its comparison with upstream's best working layout
+    doctor_object = prediction.predict(line, {"text_config": model}).engine_report()
     vllm_mla_fixes.revert_all()
     monkeypatch.setattr(fix, "probe", functools.partial(gate.probe, (12, 0)))
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
