@@ -341,6 +341,8 @@ TESTED_HERE = {
     "--kernel-config ": "test_doctor.py::test_remedy_fa4_workaround_flags_are_valid_serve_flags",
     "--moe-backend ": "test_doctor.py::test_remedy_dsv41_flags_are_valid_serve_flags",
     "--max-model-len ": "test_dspark_short_prompt_advice_takes_the_warning_away, below",
+    "vllm-mla-fixes selftest --geometry dspark-long-prefill": "test_dspark_long_prompt_evidence.py"
+    "::test_the_printed_dspark_check_command_runs_and_passes_here",
 }
 COMMAND_START = re.compile(
     r"(pip |export |unset |vllm-mla-fixes |vllm serve|flashinfer |python |--[a-z])"

@@ -211,3 +211,27 @@ def test_an_index_past_the_visible_length_fails_the_check(served, indexed):
     assert len(problems) == 2, problems
     assert all(call.layer in p and f"position {position}" in p for p in problems)
     assert "visible length" in problems[0] and "the gather read cell" in problems[1]
+
+
+@pytest.mark.vllm_release(fix_releases.newest_covered())
+def test_the_printed_dspark_check_command_runs_and_passes_here():
+    """The command doctor's DSpark finding prints, run as the operator runs it:
+    on this CPU it passes with its control caught (the indexer a stand-in,
+    which its verdict says); the GPU test runs it on the real kernels."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = Path(sys.executable).with_name("vllm-mla-fixes")
+    argv = [str(command), "selftest", "--geometry", "dspark-long-prefill", "--json", "--no-timing"]
+    done = subprocess.run(
+        argv if command.exists() else [sys.executable, "-m", "vllm_mla_fixes", *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (geometry,) = json.loads(done.stdout)["geometries"]
+    assert geometry["verdict"] == "pass", geometry["cases"]
+    assert geometry["cases"]["unbounded-index control"]["compared"] == 1, geometry["cases"]
