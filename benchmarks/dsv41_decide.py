@@ -28,7 +28,7 @@ def main() -> None:
 
     import vllm
 
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
@@ -51,7 +51,7 @@ def main() -> None:
             timings = []
             for _ in range(args.calls):
                 start = time.perf_counter()
-                decision = fix.decide(config)
+                decision = decide(config)
                 timings.append(time.perf_counter() - start)
             print(
                 f"| {name} | {len(timings)} | {timings[0] * 1e3:.1f} "

@@ -31,8 +31,8 @@ def main() -> None:
     import torch
     import vllm
 
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
 
     torch.set_num_threads(1)
     with repro.applied((12, 0)):
@@ -68,7 +68,7 @@ def main() -> None:
             slots = torch.randint(0, 1000 * 128, (tokens,), dtype=torch.int64)
             slots[-3:] = -1  # pads
             cases = {
-                "slots": lambda slots=slots: fix.kernel_slots(group, slots),
+                "slots": lambda slots=slots: kernel_slots(group, slots),
                 "table": lambda: group.map_to_kernel_block_table(table),
             }
             best = {name: float("inf") for name in cases}

@@ -43,6 +43,6 @@ def expected_decisions() -> dict[str, dict[str, str]]:
         if name in OWN_TABLES:
             tables[name] = OWN_TABLES[name]
         else:
-            folder = fix.__name__.rsplit(".", 1)[1]
+            folder = fix.INFO.name.replace("-", "_")  # its module and test folder
             tables[name] = importlib.import_module(f"{folder}.gate_rule_expected").EXPECTED
     return tables

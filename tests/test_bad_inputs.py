@@ -42,7 +42,7 @@ def _fixes_cases() -> list[ModuleType]:
     """The cases each fix's own test folder adds, in ``bad_input_cases.py``:
     its commands, their bad arguments, its settings' invalid values."""
     tests = Path(__file__).resolve().parent
-    folders = (fix.__name__.rsplit(".", 1)[1] for fix in ALL_FIXES)
+    folders = (fix.INFO.name.replace("-", "_") for fix in ALL_FIXES)  # their test folders
     return [
         importlib.import_module(f"{folder}.bad_input_cases")
         for folder in folders

@@ -364,12 +364,17 @@ def _long_running(argv: list[str]) -> bool:
         return False
     if args.command == "verify":
         return True
-    from vllm_mla_fixes import installed_vllm_version
+    from vllm_mla_fixes.patching import installed_vllm_version
 
     if args.command == "selftest" and installed_vllm_version() in SELFTEST_RELEASES:
         return True
-    # --truth-table: a status option a fix adds (DeepSeek-V4.1's), absent without it
-    return args.command == "status" and args.json and getattr(args, "truth_table", False)
+    # --truth-table: a JSON-only status option a fix adds (DeepSeek-V4.1's), absent without it
+    return (
+        args.command == "status"
+        and args.json
+        and "--truth-table" in args.json_only
+        and args.truth_table
+    )
 
 
 def _offline(argv: list[str], inputs: dict[str, str]) -> list[str]:

@@ -28,7 +28,7 @@ FP8_DECISION = """
 import json, sys
 from vllm_mla_fixes.fixes import fp8_ds_mla_reshape
 from vllm_mla_fixes.patching import run_fix
-status = run_fix(fp8_ds_mla_reshape, sys.argv[1]).status
+status = run_fix(fp8_ds_mla_reshape.FIX, sys.argv[1]).status
 print("DECIDED=" + json.dumps([status.state.value, status.reason]))
 """
 

@@ -81,7 +81,7 @@ def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
         calls.append(1)
         return fp8.source_screen()
 
-    assert screen_cache.cached_screen(fp8, screen) is None  # 0.25.1 carries the bug
+    assert screen_cache.cached_screen(fp8.FIX, screen) is None  # 0.25.1 carries the bug
     edited = tmp_path / "attn_utils.py"
     edited.write_text(
         screen_cache.source_file(fp8.RESHAPE_MODULE).read_text() + "\n# hand-patched\n"
@@ -92,7 +92,7 @@ def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
         "source_file",
         lambda module: edited if module == fp8.RESHAPE_MODULE else real(module),
     )
-    screen_cache.cached_screen(fp8, screen)
+    screen_cache.cached_screen(fp8.FIX, screen)
     assert len(calls) == 2
 
 
@@ -100,14 +100,14 @@ def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
 def test_unusable_cache_falls_back_to_screening(cache, monkeypatch):
     from vllm_mla_fixes.fixes import fp8_ds_mla_reshape as fp8
 
-    assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
+    assert screen_cache.cached_screen(fp8.FIX, fp8.source_screen) is None
     (entry,) = cache.glob("*.json")
     entry.write_text('{"key": "truncated')
-    assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
+    assert screen_cache.cached_screen(fp8.FIX, fp8.source_screen) is None
     blocked = cache / "not-a-dir"
     blocked.write_text("")
     monkeypatch.setenv(screen_cache.CACHE_DIR_ENV, str(blocked / "screens"))
-    assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
+    assert screen_cache.cached_screen(fp8.FIX, fp8.source_screen) is None
 
 
 @pytest.mark.vllm_release("0.25.1")
@@ -257,7 +257,7 @@ def test_a_configured_cache_that_cannot_be_written_warns_once(
     monkeypatch.setattr(screen_cache, "_warned_folders", set())
     monkeypatch.setattr(screen_cache, "_store", _refuse)
     for _ in range(2):
-        assert screen_cache.cached_screen(fp8, fp8.source_screen) is None
+        assert screen_cache.cached_screen(fp8.FIX, fp8.source_screen) is None
     said = [r.getMessage() for r in plugin_log if screen_cache.CACHE_DIR_ENV in r.getMessage()]
     assert said == [
         f"vllm-mla-fixes: {screen_cache.CACHE_DIR_ENV}={str(folder)!r} cannot be written "

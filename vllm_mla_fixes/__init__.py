@@ -8,14 +8,13 @@ installed build needs it, never raises, and records a status per fix.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME
-from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, run_fix
+from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, installed_vllm_version, run_fix
 
-__all__ = ["register", "status", "revert_all"]
+__all__ = ["installed_vllm_version", "register", "status", "revert_all"]
 
 ENV_VAR = settings.FIXES.name
 PLUGIN_NAME = "mla_fixes"  # the vllm.general_plugins entry point
@@ -31,22 +30,6 @@ def _logger() -> logging.Logger:
     except Exception:
         return logging.getLogger("vllm.mla_fixes")
     return init_logger("vllm.mla_fixes")
-
-
-def installed_vllm_version() -> str | None:
-    import sys
-
-    module = sys.modules.get("vllm")
-    version = getattr(module, "__version__", None)
-    if version:
-        return str(version)
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("vllm")
-    except PackageNotFoundError:
-        return None
 
 
 def register() -> None:
@@ -69,8 +52,8 @@ def _register() -> None:
         if selected is None:
             selected = frozenset(FIX_NAMES)
         version = installed_vllm_version()
-        for module in ALL_FIXES:
-            name = module.INFO.name
+        for fix in ALL_FIXES:
+            name = fix.INFO.name
             if name in _results and _results[name].status.state is State.APPLIED:
                 continue
             if name not in selected:
@@ -81,7 +64,7 @@ def _register() -> None:
             if version is None:
                 _results[name] = AppliedFix(FixStatus(name, State.SKIPPED, "vLLM is not installed"))
                 continue
-            result = run_fix(module, version)
+            result = run_fix(fix, version)
             previous = _results.get(name)
             _results[name] = result
             if previous is not None and previous.status == result.status:
@@ -99,7 +82,7 @@ def _register() -> None:
 def status() -> list[FixStatus]:
     """One record per known fix, in order; ``not evaluated`` before :func:`register` ran."""
     with _lock:
-        return [_status_of(m.INFO.name) for m in ALL_FIXES]
+        return [_status_of(fix.INFO.name) for fix in ALL_FIXES]
 
 
 def _status_of(name: str) -> FixStatus:
@@ -110,15 +93,14 @@ def _status_of(name: str) -> FixStatus:
         return FixStatus(
             name, State.SKIPPED, f"{result.patch.failed}; reverted, vLLM left as it was"
         )
-    in_process = getattr(FIXES_BY_NAME[name], "status_in_process", None)
-    if result.status.state is State.APPLIED and in_process is not None:
+    if result.status.state is State.APPLIED:
         # A fix whose choice is made per engine after register() says what it chose.
-        return in_process(result.status)
+        return FIXES_BY_NAME[name].status_in_process(result.status)
     return result.status
 
 
 def _why_not_evaluated() -> str:
-    allowed = os.environ.get("VLLM_PLUGINS")
+    allowed = settings.environment_variable("VLLM_PLUGINS")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         # vLLM's loader takes exactly the names VLLM_PLUGINS lists, split at commas
         return (

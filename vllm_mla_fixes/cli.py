@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import vllm_mla_fixes
 from vllm_mla_fixes import arguments, atomic, settings
+from vllm_mla_fixes.commands import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    CommandError,
+    Commands,
+    add_command,
+    exit_codes,
+    logs_to_stderr,
+)
 from vllm_mla_fixes.fixes import ALL_FIXES
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-PROG = "vllm-mla-fixes"
 USAGE_EXIT = "2  bad arguments (one line on stderr says which)"
 
 
@@ -33,14 +40,6 @@ class UsageError(Exception):
     def __init__(self, prog: str, message: str) -> None:
         super().__init__(message)
         self.prog = prog
-
-
-class CommandError(Exception):
-    """A command cannot do its work; the message says why, in one line."""
-
-    def __init__(self, message: str, exit_status: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_status = exit_status
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,27 +100,6 @@ class _GuardedStdout:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
-
-
-@contextlib.contextmanager
-def logs_to_stderr() -> Iterator[None]:
-    """While vLLM and the plugins load, send everything they write to stderr,
-    so stdout carries our output alone (--json is exactly one document).
-
-    vLLM's logger writes to stdout unless VLLM_LOGGING_STREAM says otherwise;
-    it is pointed at stderr for this process before vLLM is imported.  Other
-    writers (a library's print, C code) are caught by pointing file
-    descriptor 1 at stderr until the block ends."""
-    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 # -- status ---------------------------------------------------------------------------
@@ -260,59 +238,6 @@ def cmd_review(args: argparse.Namespace) -> int:
 # -- the parser -------------------------------------------------------------------------
 
 
-def _plain(text: str) -> str:
-    """Help is read in a terminal: no reStructuredText literal markup."""
-    return text.replace("``", "").replace("`", "")
-
-
-def exit_codes(*lines: str) -> str:
-    return "exit status:\n" + "\n".join(f"  {line}" for line in lines)
-
-
-def _command(
-    sub: argparse._SubParsersAction,
-    name: str,
-    func: Callable[[argparse.Namespace], int],
-    summary: str,
-    description: str,
-    epilog: str,
-    usage: str | None = None,
-) -> argparse.ArgumentParser:
-    parser = sub.add_parser(
-        name,
-        help=summary,
-        description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}",
-        epilog=_plain(epilog),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=usage,
-    )
-    parser.set_defaults(func=func)
-    return parser
-
-
-@dataclasses.dataclass(frozen=True)
-class Commands:
-    """Where a fix adds to the command line (``Fix.add_commands``): commands
-    of its own, listed after the shared ``status``, ``verify`` and ``doctor``,
-    and options of ``status``."""
-
-    subcommands: argparse._SubParsersAction
-    status: argparse.ArgumentParser
-    # status options that add to its JSON document only: without --json, refused
-    status_json_only: list[str] = dataclasses.field(default_factory=list)
-
-    def add(
-        self,
-        name: str,
-        func: Callable[[argparse.Namespace], int],
-        summary: str,
-        description: str,
-        epilog: str,
-    ) -> argparse.ArgumentParser:
-        """A command made as every command is (:func:`_command`)."""
-        return _command(self.subcommands, name, func, summary, description, epilog)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -339,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    status = _command(
+    status = add_command(
         sub,
         "status",
         cmd_status,
@@ -362,7 +287,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 
 def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
-    _command(
+    add_command(
         sub,
         "verify",
         cmd_verify,
@@ -380,7 +305,7 @@ def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
 def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     from vllm_mla_fixes.doctor import HELP_EPILOG as DOCTOR_EPILOG
 
-    doctor = _command(
+    doctor = add_command(
         sub,
         "doctor",
         cmd_doctor,
@@ -398,7 +323,7 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
-    smoke_cmd = _command(
+    smoke_cmd = add_command(
         sub,
         "smoke",
         cmd_smoke,
@@ -447,7 +372,7 @@ def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
-    build = _command(
+    build = add_command(
         sub,
         "build-wheel",
         cmd_build_wheel,
@@ -490,7 +415,7 @@ def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_review_parser(sub: argparse._SubParsersAction) -> None:
-    review = _command(
+    review = add_command(
         sub,
         "review",
         cmd_review,

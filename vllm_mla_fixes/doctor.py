@@ -575,7 +575,7 @@ def json_facts(findings: list[Finding]) -> dict[str, dict | None]:
             (f.facts for f in findings if f.topic == fix.INFO.name and f.facts), None
         )
         for fix in ALL_FIXES
-        if hasattr(fix, "DOCTOR_JSON_KEY")
+        if fix.DOCTOR_JSON_KEY is not None
     }
 
 

@@ -1,84 +1,79 @@
 """What every fix provides: :class:`Fix`, the one way the rest of the package
 reaches a fix.
 
-A fix is one module or package under ``vllm_mla_fixes/fixes/``, listed once
-in ``vllm_mla_fixes.fixes.ALL_FIXES`` (typed as ``tuple[Fix, ...]``, so mypy
-checks each module against this protocol).  The plugin, ``status``,
-``doctor``, ``verify``, the command line and the test sessions read a fix
-only through these members; none of them names a fix, so removing a fix is
-removing its folder, its tests and its line in ``ALL_FIXES``.
+A fix is one module or package under ``vllm_mla_fixes/fixes/`` that exposes
+one record, ``FIX = Fix(...)``, listed once in
+``vllm_mla_fixes.fixes.ALL_FIXES``.  The plugin, ``status``, ``doctor``,
+``verify``, the command line and the test sessions read a fix only through
+the record's members; none of them names a fix, so removing a fix is removing
+its folder, its tests and its line in ``ALL_FIXES``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_mla_fixes.cli import Commands
-    from vllm_mla_fixes.patching import FixInfo, Patch
+    from vllm_mla_fixes.commands import Commands
+    from vllm_mla_fixes.patching import FixInfo, FixStatus, Patch
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
     from vllm_mla_fixes.settings import Setting
 
 
-class Fix(Protocol):
-    """One fix.  Importing it must stay cheap: vLLM is imported only inside
-    ``probe``, ``apply`` and what the commands call.
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One fix; every member is required (a fix without a part of its own
+    gives the matching ``no_*`` helper below).
 
-    Two members are optional, read with ``getattr``: ``status_in_process``
-    (a fix that decides per engine after ``register()`` says what it chose)
-    and ``DOCTOR_JSON_KEY`` (the top-level key of ``doctor --json`` under
-    which its findings' facts go)."""
+    Building the record must stay cheap: vLLM is imported only inside
+    ``probe``, ``apply`` and what the commands call, and a member that needs
+    the fix's command, doctor or reproduction modules imports them when it is
+    called, so a vLLM process that loads the plugin never loads them."""
 
-    @property
-    def INFO(self) -> FixInfo:
-        """The fix's facts: name, upstream, covered releases, hardware, error."""
-
-    @property
-    def SETTINGS(self) -> tuple[Setting, ...]:
-        """Its own ``VLLM_MLA_FIXES_*`` settings (the shared ones excluded)."""
-
-    @property
-    def REVIEWED(self) -> Mapping[tuple[str, str], Mapping[str, str]]:
-        """The vLLM definitions it wraps or reads, by (module, qualified name):
-        fingerprint -> the releases it was reviewed in (``review``)."""
-
-    def probe(self) -> str | None:
-        """None where the installed vLLM carries the bug, else why it does not
-        need the fix (run only after the release gate admitted the release)."""
-
-    def apply(self, patch: Patch) -> None:
-        """Install the fix's replacements through ``patch``."""
-
-    def source_screen(self) -> str | None:
-        """The probe's part that reads vLLM's source only: None while the
-        code is the reviewed shape of the bug (``review``)."""
-
-    def diagnose(self, env: Environment, serve: ServeLine | None) -> list[Finding]:
-        """``doctor``'s findings for this fix, on a release it covers."""
-
-    def prepare_verify(self) -> None:
-        """Set up this process for :meth:`verify`, before any fix's verifier
-        imports vLLM (``vllm-mla-fixes verify``)."""
-
-    def verify(self, report: Callable[[str], None]) -> bool:
-        """Reproduce the failure on the installed vLLM on CPU, then show the
-        fix removes it; ``report`` takes one line at a time."""
-
-    def add_commands(self, commands: Commands) -> None:
-        """Add the fix's own subcommands, and options of shared ones."""
-
-    def kernel_disagreements(self) -> list[str]:
-        """Where vLLM's statement about a kernel the fix concerns and the
-        kernel's own declaration in the installed build differ (``status``)."""
-
-    def status_json(self, args: argparse.Namespace) -> dict[str, Any]:
-        """The keys the fix adds to ``status --json``, after ``exit_status``."""
+    INFO: FixInfo
+    """The fix's facts: name, upstream, covered releases, hardware, error."""
+    SETTINGS: tuple[Setting, ...]
+    """Its own ``VLLM_MLA_FIXES_*`` settings (the shared ones excluded)."""
+    REVIEWED: Mapping[tuple[str, str], Mapping[str, str]]
+    """The vLLM definitions it wraps or reads, by (module, qualified name):
+    fingerprint -> the releases it was reviewed in (``review``).  The source
+    screen's cache keys on these and on the screen's own module."""
+    DOCTOR_JSON_KEY: str | None
+    """The top-level key of ``doctor --json`` under which its findings'
+    facts go; None where they have none."""
+    probe: Callable[[], str | None]
+    """None where the installed vLLM carries the bug, else why it does not
+    need the fix (run only after the release gate admitted the release)."""
+    apply: Callable[[Patch], None]
+    """Install the fix's replacements through the given ``Patch``."""
+    source_screen: Callable[[], str | None]
+    """The probe's part that reads vLLM's source only: None while the code
+    is the reviewed shape of the bug (``review``)."""
+    status_in_process: Callable[[FixStatus], FixStatus]
+    """The status of the applied fix in this process (a fix that decides
+    per engine after ``register()`` says what it chose)."""
+    diagnose: Callable[[Environment, ServeLine | None], list[Finding]]
+    """``doctor``'s findings for this fix, on a release it covers."""
+    prepare_verify: Callable[[], None]
+    """Set up this process for :attr:`verify`, before any fix's verifier
+    imports vLLM (``vllm-mla-fixes verify``)."""
+    verify: Callable[[Callable[[str], None]], bool]
+    """Reproduce the failure on the installed vLLM on CPU, then show the fix
+    removes it; the argument takes one line at a time."""
+    add_commands: Callable[[Commands], None]
+    """Add the fix's own subcommands, and options of shared ones."""
+    kernel_disagreements: Callable[[], list[str]]
+    """Where vLLM's statement about a kernel the fix concerns and the
+    kernel's own declaration in the installed build differ (``status``)."""
+    status_json: Callable[[argparse.Namespace], dict[str, Any]]
+    """The keys the fix adds to ``status --json``, after ``exit_status``."""
 
 
-# -- the members of a fix without commands, status keys, kernel statements or set-up of its
-# own: such a fix imports these under the protocol's names.
+# -- the members of a fix without commands, status keys, kernel statements, set-up or
+# per-engine status of its own.
 
 
 def no_preparation() -> None:
@@ -97,3 +92,8 @@ def no_disagreements() -> list[str]:
 def no_status_keys(args: argparse.Namespace) -> dict[str, Any]:
     """``status_json``: no keys of its own."""
     return {}
+
+
+def status_as_applied(applied: FixStatus) -> FixStatus:
+    """``status_in_process``: what it decided at ``register()`` stands."""
+    return applied

@@ -426,14 +426,29 @@ class AppliedFix:
     patch: Patch | None = None
 
 
-def run_fix(module: Fix | ModuleType, vllm_version: str) -> AppliedFix:
-    """Gate, probe and apply one fix module; never raises."""
-    info: FixInfo = module.INFO
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (the imported one where vLLM is loaded), or None."""
+    module = sys.modules.get("vllm")
+    version = getattr(module, "__version__", None)  # vLLM's own attribute, not a fix's
+    if version:
+        return str(version)
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def run_fix(fix: Fix, vllm_version: str) -> AppliedFix:
+    """Gate, probe and apply one fix; never raises."""
+    info = fix.INFO
     decided = release_decision(info, vllm_version)
     if decided is not None:
         return AppliedFix(decided)
     try:
-        reason = module.probe()
+        reason = fix.probe()
     except CannotProbe as exc:
         return AppliedFix(FixStatus(info.name, State.SKIPPED, f"cannot probe here: {exc}"))
     except TargetMismatch as exc:
@@ -446,7 +461,7 @@ def run_fix(module: Fix | ModuleType, vllm_version: str) -> AppliedFix:
         return AppliedFix(FixStatus(info.name, State.NOT_NEEDED, reason))
     patch = Patch()
     try:
-        module.apply(patch)
+        fix.apply(patch)
     except Exception as exc:
         patch.revert()
         return AppliedFix(

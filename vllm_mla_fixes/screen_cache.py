@@ -9,9 +9,9 @@ stored under a key made of:
 
 * the sha256 of every source file of the modules in the fix's ``REVIEWED``
   table (a test checks that a screen reads no other vLLM file);
-* the sha256 of the fix module's own source and of ``patching.py``, and the
-  module's upper-case constants as in force in the process (``REVIEWED``,
-  reviewed signatures; tests change some at runtime).
+* the sha256 of the source of the module that defines the fix's
+  ``source_screen`` and of ``patching.py``, and the fix's ``REVIEWED`` table
+  as in force in the process (tests change it at runtime).
 
 Hashing the files costs about a millisecond; any change to any of them is a
 different key, so a hand-edited vLLM file is screened again.  Only verdicts are
@@ -28,11 +28,14 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 from vllm_mla_fixes import atomic, settings
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.fix import Fix
 
 CACHE_DIR_ENV = settings.CACHE_DIR.name
 
@@ -44,7 +47,7 @@ def cache_dir() -> Path:
     if configured is not None:
         return configured
     # The XDG spec: a relative XDG_CACHE_HOME is invalid and is ignored.
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    xdg = settings.environment_variable("XDG_CACHE_HOME") or ""
     base = Path(xdg) if os.path.isabs(xdg) else Path(os.path.expanduser("~"), ".cache")
     if not base.is_absolute():  # a relative HOME, or none
         raise OSError(
@@ -75,45 +78,25 @@ def _digest(paths: Iterable[Path | None], names: Iterable[str], extra: str = "")
     return digest.hexdigest()
 
 
-def screen_key(fix: ModuleType) -> str:
-    """The content key of ``fix``'s source screen on the installed vLLM."""
+def screen_key(
+    reviewed: Mapping[tuple[str, str], Mapping[str, str]], screen: Callable[[], str | None]
+) -> str:
+    """The content key of a source screen on the installed vLLM: ``screen``'s
+    own module, the files of the modules in ``reviewed`` and the table itself."""
     from vllm_mla_fixes import patching
 
-    modules = sorted({module for module, _ in fix.REVIEWED})
-    own = [Path(inspect.getfile(fix)), Path(patching.__file__)]
+    modules = sorted({module for module, _ in reviewed})
+    own = [Path(inspect.getfile(screen)), Path(patching.__file__)]
     return _digest(
         [*own, *(source_file(m) for m in modules)],
-        [fix.__name__, patching.__name__, *modules],
-        extra=_constants(fix),
+        [screen.__module__, patching.__name__, *modules],
+        extra=repr([(key, sorted(known.items())) for key, known in sorted(reviewed.items())]),
     )
 
 
-def _constants(fix: ModuleType) -> str:
-    """The fix module's upper-case constants as in force in this process
-    (``REVIEWED``, reviewed signatures, ...), in a form stable across
-    processes: a runtime change to one is a different key."""
-
-    def canonical(value: object) -> object:
-        if isinstance(value, (set, frozenset)):  # iteration order varies with hash seeds
-            return sorted((canonical(v) for v in value), key=repr)
-        if isinstance(value, dict):
-            return [(canonical(k), canonical(v)) for k, v in value.items()]
-        if isinstance(value, (tuple, list)):
-            return [canonical(v) for v in value]
-        return value
-
-    return repr(
-        [
-            (name, canonical(value))
-            for name, value in sorted(vars(fix).items())
-            if name.isupper()
-            and isinstance(value, (str, int, float, tuple, list, set, frozenset, dict))
-        ]
-    )
-
-
-def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
-    """``screen()``'s verdict, from the cache when the key matches."""
+def cached_screen(fix: Fix, screen: Callable[[], str | None]) -> str | None:
+    """``screen()``'s verdict, from the cache when the key of ``fix``'s
+    declared screen and ``REVIEWED`` table matches."""
     from vllm_mla_fixes import patching
 
     if (
@@ -121,7 +104,7 @@ def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | No
     ):  # screening another tree (review): not the installed files
         return screen()
     try:
-        key = screen_key(fix)
+        key = screen_key(fix.REVIEWED, fix.source_screen)
         entry = cache_dir() / f"{fix.INFO.name}-{key[:32]}.json"
     except OSError:  # a file cannot be read, or no cache folder: no cache
         return screen()
@@ -147,7 +130,7 @@ _warned_folders: set[Path] = set()
 def _warn_unwritable(folder: Path, exc: OSError) -> None:
     """Once per folder and process, where the operator chose the folder
     (an unusable default is the usual read-only home: the fixes work without it)."""
-    if not os.environ.get(CACHE_DIR_ENV, "").strip() or folder in _warned_folders:
+    if settings.read(settings.CACHE_DIR) is None or folder in _warned_folders:
         return
     _warned_folders.add(folder)
     logging.getLogger("vllm.mla_fixes").warning(

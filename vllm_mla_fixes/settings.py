@@ -250,6 +250,13 @@ def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading 
         return Reading(setting.name, raw, setting, problem=str(exc))
 
 
+def environment_variable(name: str) -> str | None:
+    """A variable of vLLM or another tool (``VLLM_PLUGINS``, ``HF_HOME``,
+    ``XDG_CACHE_HOME``, ...) as this process sees it, None where unset: the
+    package reads the environment only through this module."""
+    return os.environ.get(name)
+
+
 def value(setting: Setting, environ: Mapping[str, str] | None = None) -> Any:
     """The value in force, or None for the default (unset, empty, or not allowed)."""
     reading = read(setting, environ)

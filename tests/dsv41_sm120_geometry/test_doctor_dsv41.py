@@ -122,9 +122,9 @@ def test_remedy_flashinfer_commands_are_flashinfers_own():
 
 @pytest.mark.vllm_release(*covered(DSV41, "<0.34.0"))
 def test_remedy_dsv41_flags_are_valid_serve_flags():
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import INDEXER_FP8_FLAG, MOE_MARLIN_FLAG
 
-    for flag in (dsv41.INDEXER_FP8_FLAG, dsv41.MOE_MARLIN_FLAG):
+    for flag in (INDEXER_FP8_FLAG, MOE_MARLIN_FLAG):
         accepted_by_vllm(flag)
 
 

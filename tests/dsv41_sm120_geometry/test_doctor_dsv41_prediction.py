@@ -21,8 +21,11 @@ from fix_releases import DSV41, covered
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import engine, prediction, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import SPLIT_ERROR_0_34
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_report
 
 pytestmark = [
     pytest.mark.vllm_release(*covered(DSV41)),
@@ -80,7 +83,7 @@ def _engine(line: list[str], model: dict | None = None, max_model_len: int = 819
             max_model_len=max_model_len,
         )
         config = plan.vllm_config
-        return fix.engine_config(config), fix.STATE.decision_for(config)
+        return engine.engine_config(config), STATE.decision_for(config)
 
 
 def _decision_for(line: list[str]) -> tuple[str, str]:
@@ -142,7 +145,7 @@ def test_report_line_gets_the_engines_decision_off_the_gpu_node(dspark):
     predicted = prediction.predict(line)
     engine_config, decision = _engine(line)
     assert predicted.decision == decision
-    assert predicted.engine_report() == fix.engine_report(engine_config, decision)
+    assert predicted.engine_report() == engine_report(engine_config, decision)
     assert predicted.settings.speculative_method == ("dspark" if dspark else None)
     assert predicted.decision.fix_tokens and predicted.decision.max_model_len == 8192
     # TP8 of DeepSeek-V4.1-Flash's 64 heads: 8 heads per rank, window 128, top-k 512
@@ -223,7 +226,7 @@ def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block
     engine_config, decision = _engine(line, model, model["max_position_embeddings"])
     assert predicted.model_figures == "from config.json"
     assert predicted.decision == decision
-    assert predicted.engine_report() == fix.engine_report(engine_config, decision)
+    assert predicted.engine_report() == engine_report(engine_config, decision)
     assert (
         decision.fix_tokens is not None
         and decision.max_model_len == model["max_position_embeddings"]
@@ -320,7 +323,7 @@ def test_doctor_command_on_the_report_line_with_dspark_without_a_gpu():
     assert report["verdict"] == "READY WITH WARNINGS"
     # doctor's quote of 0.34.0's --block-size 128 error is the text vLLM raises
     # (tests/dsv41_sm120_geometry/test_dsv41_release_0_34.py asserts repro.SPLIT_ERROR on the real code)
-    assert fix.SPLIT_ERROR_0_34.removeprefix("ValueError: ") in repro.SPLIT_ERROR
+    assert SPLIT_ERROR_0_34.removeprefix("ValueError: ") in repro.SPLIT_ERROR
 
 
 @pytest.mark.vllm_release("0.34.0")

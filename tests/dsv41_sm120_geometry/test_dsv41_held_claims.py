@@ -32,8 +32,11 @@ from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import engine as engine_module
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, engine_config
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_report
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 
@@ -201,13 +204,13 @@ def unshown(field: str) -> str | None:
 
 def test_every_field_of_the_key_has_a_variant():
     """A field added to EngineConfig needs two engines that differ in it."""
-    assert set(KEY_VARIANTS) == {f.name for f in dataclasses.fields(fix.EngineConfig)}
+    assert set(KEY_VARIANTS) == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def _read(build: Callable[[], Any], capability: tuple[int, int]) -> tuple[Any, Any]:
     with repro.sm120_platform(capability):
         config = build()
-        return config, fix.engine_config(config)
+        return config, engine_config(config)
 
 
 @pytest.mark.parametrize("field", sorted(KEY_VARIANTS))
@@ -235,12 +238,12 @@ def test_engines_differing_in_one_key_field_each_get_their_own_decision(field, m
             kept_second = STATE.decision_for(second)
         STATE.clear()
         with repro.sm120_platform(variant.capability[1]):
-            fresh_second = fix.decide(second)
+            fresh_second = decide(second)
     finally:
         STATE.clear()
     differing = {
         f.name
-        for f in dataclasses.fields(fix.EngineConfig)
+        for f in dataclasses.fields(EngineConfig)
         if getattr(first_key, f.name) != getattr(second_key, f.name)
     }
     assert differing == {field, *([DERIVED[field]] if field in DERIVED else ())}, differing
@@ -266,7 +269,7 @@ def test_pipeline_stages_reach_the_decision_through_in_flight_tokens():
     assert (one_key.pipeline_parallel, two_key.pipeline_parallel) == (1, 2)
     assert one_key.in_flight_tokens == two_key.in_flight_tokens
     with repro.sm120_platform():
-        assert fix.decide(one) == fix.decide(two)
+        assert decide(one) == decide(two)
 
 
 # ----------------------------------------------- what the engine reads of vLLM
@@ -275,7 +278,7 @@ def test_pipeline_stages_reach_the_decision_through_in_flight_tokens():
 def test_the_engine_reads_the_speculative_tokens_vllm_configures():
     for tokens in (1, 3, 7):
         with repro.sm120_platform():
-            assert fix.engine_config(_dspark(tokens)()).speculative_tokens == tokens
+            assert engine_config(_dspark(tokens)()).speculative_tokens == tokens
 
 
 def test_dspark_reads_its_draft_models_own_config():
@@ -287,9 +290,9 @@ def test_dspark_reads_its_draft_models_own_config():
     draft = SimpleNamespace(hf_text_config=SimpleNamespace(n_mtp_layers=1))
     object.__setattr__(config.speculative_config, "draft_model_config", draft)
     with repro.sm120_platform():
-        assert fix.engine_config(config).model.drafter_layers == 1
+        assert engine_config(config).model.drafter_layers == 1
         object.__setattr__(config.speculative_config, "draft_model_config", None)
-        assert fix.engine_config(config).model.drafter_layers == 3
+        assert engine_config(config).model.drafter_layers == 3
 
 
 def _dspark_engine(stages: int) -> tuple[Any, Any]:
@@ -322,19 +325,19 @@ def test_dsparks_drafter_is_decided_from_its_engines_configuration_alone(monkeyp
     engine, drafter = _dspark_engine(2)
     assert drafter.parallel_config.pipeline_parallel_size == 1
     with repro.sm120_platform():
-        expected = fix.engine_config(engine)
+        expected = engine_config(engine)
         assert expected.pipeline_parallel == 2
-        assert fix.engine_config(drafter) == expected
+        assert engine_config(drafter) == expected
         one_stage = _config()
-        alone = fix.engine_config(one_stage)
+        alone = engine_config(one_stage)
         # A stand-in for the pipeline group a worker of some engine holds.
         monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=4), raising=False)
-        assert fix.engine_config(drafter) == expected
-        assert fix.engine_config(one_stage) == alone
+        assert engine_config(drafter) == expected
+        assert engine_config(one_stage) == alone
     STATE.clear()
     try:
         with repro.sm120_platform():
-            assert STATE.decision_for(drafter) == fix.decide(engine)
+            assert STATE.decision_for(drafter) == decide(engine)
     finally:
         STATE.clear()
 
@@ -469,7 +472,7 @@ def _engine_from_vllms_args(line: list[str], model: dict, max_model_len: int):
             max_model_len=max_model_len,
         )
         config = plan.vllm_config
-        return fix.engine_config(config), fix.STATE.decision_for(config)
+        return engine_config(config), STATE.decision_for(config)
 
 
 @pytest.mark.parametrize("case", sorted(LINES))
@@ -498,7 +501,7 @@ def test_doctor_decides_what_the_engine_decides_one_field_from_flash(case, monke
     }
     assert differing == {}, (case, differing)
     assert predicted.decision == decision, (case, predicted.decision.reason, decision.reason)
-    assert predicted.engine_report() == fix.engine_report(engine, decision)
+    assert predicted.engine_report() == engine_report(engine, decision)
     heads = {s.heads for s in predicted.shapes}
     topks = {s.topk for s in predicted.shapes}
     assert heads == {model["num_attention_heads"] // 2}, heads

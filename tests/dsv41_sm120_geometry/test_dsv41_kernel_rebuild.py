@@ -27,8 +27,8 @@ KERNEL = "include/deep_gemm/impls/sm120_fp8_paged_mqa_logits.cuh"
 def decided_here() -> dict:
     """What this process reads of the DeepGEMM FP8 envelope, its cache key,
     and the decision for 0.34.0's --block-size 64 line on SM120."""
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table
 
@@ -36,7 +36,7 @@ def decided_here() -> dict:
     with repro.sm120_platform():
         config = repro.make_vllm_config(64)
         repro.attach_model(config, repro.DSV41_FLASH)
-        decision = fix.decide(config)
+        decision = decide(config)
     assert decision.upstream is not None
     return {
         "rows": str(envelopes[envelope.DEEPGEMM_LOGITS_FP8].rows),

@@ -21,7 +21,11 @@ from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import check_workers_agree
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_reports
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 
@@ -61,7 +65,7 @@ def _start(engine: Engine) -> Outcome:
             speculative_config=_dspark() if engine.dspark else None,
             drafter_ratios=(0, 0, 0) if engine.dspark else (),
         )
-        decision = fix.STATE.decision_for(geometry.vllm_config)  # taken as the layers were built
+        decision = STATE.decision_for(geometry.vllm_config)  # taken as the layers were built
         try:
             repro.select_kernel_block_sizes(geometry)
             repro.create_metadata_builders(geometry)
@@ -140,7 +144,7 @@ def test_every_engine_of_a_process_gets_what_it_gets_alone(plugin_loaded_by_vllm
         for position, label in enumerate(order):
             got = _start(ENGINES[label])
             assert got == alone[label], (order, position, label, got, alone[label])
-        reported = [entry["decision"] for entry in fix.engine_reports()]
+        reported = [entry["decision"] for entry in engine_reports()]
         assert reported == [alone[label].geometry for label in dict.fromkeys(order)], reported
 
 
@@ -166,9 +170,9 @@ def test_the_decision_is_the_same_function_everywhere():
             repro.plan_geometry(size, drafter_ratios=drafters, speculative_config=spec).vllm_config
             for size, drafters, spec in ((64, (), None), (128, (0, 0, 0), _dspark()))
         ]
-        recorded = [fix.STATE.decision_for(config) for config in configs]
+        recorded = [STATE.decision_for(config) for config in configs]
         for permutation in itertools.permutations(configs):
-            again = [fix.decide(config) for config in permutation]
+            again = [decide(config) for config in permutation]
             assert again == [recorded[configs.index(c)] for c in permutation]
 
 
@@ -178,8 +182,8 @@ def test_the_decision_is_the_same_function_everywhere():
 def _fresh_decisions() -> None:
     """Forget every kept decision, as a process that has decided nothing yet
     (the rest of the fix's state -- its backends -- stays applied)."""
-    fix.STATE.decisions.clear()
-    fix.STATE.spec_mismatches.clear()
+    STATE.decisions.clear()
+    STATE.spec_mismatches.clear()
 
 
 def _engine_config(block_size: int, pp_size: int, tp_size: int, dspark: bool, rank: int = 0):
@@ -220,7 +224,7 @@ def _rank(block_size: int, pp_size: int, pp_rank: int, tp_size: int, dspark: boo
     if dspark and pp_rank == pp_size - 1:
         layers += range(backbone, backbone + 3)
     repro.build_layers(config, model, (0, 0, 0) if dspark else (), only=layers)
-    return fix.STATE.decision_for(config), get_kv_cache_spec(config)
+    return STATE.decision_for(config), get_kv_cache_spec(config)
 
 
 def _pipeline_engine(block_size: int, pp_size: int, tp_size: int, dspark: bool) -> None:
@@ -234,8 +238,8 @@ def _pipeline_engine(block_size: int, pp_size: int, tp_size: int, dspark: bool) 
     ]
     _fresh_decisions()
     core = _engine_config(block_size, pp_size, tp_size, dspark)
-    fix.check_workers_agree(core, [specs for _, specs in ranks])  # the engine core's check
-    core_decision = fix.STATE.decision_for(core)
+    check_workers_agree(core, [specs for _, specs in ranks])  # the engine core's check
+    core_decision = STATE.decision_for(core)
     assert decisions[0] == core_decision
     rows = {
         spec.block_size
@@ -301,10 +305,10 @@ def test_engines_differing_only_in_parallel_layout_each_get_a_fresh_decision():
         return engine
 
     with repro.applied((12, 0)), repro.sm120_platform():
-        kept = {layout: fix.STATE.decision_for(config(*layout)) for layout in layouts}
+        kept = {layout: STATE.decision_for(config(*layout)) for layout in layouts}
         for layout in layouts:
             _fresh_decisions()
-            assert kept[layout] == fix.STATE.decision_for(config(*layout)), layout
+            assert kept[layout] == STATE.decision_for(config(*layout)), layout
     assert kept[1, 1, 1].fix_tokens != kept[2, 1, 1].fix_tokens  # PP is a figure's input
     assert kept[1, 1, 1] == kept[1, 8, 1] == kept[1, 1, 2]  # TP and DP are none's
 

@@ -15,6 +15,8 @@ import pytest
 
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import bound_pages, check_page_geometry
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.patching import State
 
@@ -36,7 +38,7 @@ CHANGED_IN_0_34 = {
 
 def _geometry_and_reason(vllm_config) -> tuple[str, str]:
     """The decision the fix takes for the engine ``vllm_config`` describes."""
-    decision = fix.decide(vllm_config)
+    decision = decide(vllm_config)
     return decision.geometry, decision.reason
 
 
@@ -104,7 +106,7 @@ def test_block_size_64_starts_with_32_state_ratio2_pages_and_32_token_swa_pages(
     assert 32 not in get_paged_mqa_page_sizes()
     assert repro.kernel_verdicts(repro.flashinfer_pages(geometry)) == ((), ())
     with pytest.raises(fix.PageGeometryError) as excinfo:
-        fix.check_page_geometry(fix.bound_pages(geometry.forward_context), everything=True)
+        check_page_geometry(bound_pages(geometry.forward_context), everything=True)
     message = str(excinfo.value)
     assert (
         "model.layers.2.attn.indexer.k_cache: indexer K cache, compress ratio 2, 32-state pages"

@@ -24,6 +24,7 @@ import pytest
 from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import check_workers_agree, specs_geometry
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
@@ -60,7 +61,7 @@ def test_workers_with_different_geometries_stop_with_both_named(monkeypatch):
     with repro.applied((12, 0)):
         split = _worker_specs(monkeypatch, fix.SPLIT)
         per_ratio = _worker_specs(monkeypatch, fix.PER_RATIO)
-        assert (fix.specs_geometry(split), fix.specs_geometry(per_ratio)) == (
+        assert (specs_geometry(split), specs_geometry(per_ratio)) == (
             fix.SPLIT,
             fix.PER_RATIO,
         )
@@ -102,7 +103,7 @@ def test_a_worker_without_the_fix_is_named_too(monkeypatch):
         config = repro.make_vllm_config(128)
         repro.attach_model(config, repro.DSV41_FLASH)
         with pytest.raises(fix.PageGeometryError) as excinfo:
-            fix.check_workers_agree(config, [split, upstream])
+            check_workers_agree(config, [split, upstream])
     assert "worker 1 shows vLLM's own (block sizes ratio 1: [128], ratio 2: [128]: " in str(
         excinfo.value
     )

@@ -22,7 +22,19 @@ import pytest
 from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
+    bound_pages,
+    check_no_split_drafter,
+    check_page_geometry,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
+    decide,
+    flashinfer_takes_runtime_swa_pages,
+)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import SIMPLE_OFFLOAD_ENV
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import status_detail
 from vllm_mla_fixes.patching import State, run_fix
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
@@ -37,7 +49,7 @@ REPORT_ERROR = (
 
 def _geometry_and_reason(vllm_config) -> tuple[str, str]:
     """The decision the fix takes for the engine ``vllm_config`` describes."""
-    decision = fix.decide(vllm_config)
+    decision = decide(vllm_config)
     return decision.geometry, decision.reason
 
 
@@ -153,7 +165,7 @@ def test_flashinfer_072_takes_the_32_page_but_ratio1_indexer_pages_stay_wrong(up
 @before_0_34
 def test_upstream_geometry_fails_the_self_check_with_a_clear_error(upstream_128):
     with pytest.raises(fix.PageGeometryError) as excinfo:
-        fix.check_page_geometry(fix.bound_pages(upstream_128.forward_context), everything=True)
+        check_page_geometry(bound_pages(upstream_128.forward_context), everything=True)
     message = str(excinfo.value)
     assert (
         "model.layers.0.attn.swa_cache: sliding-window KV cache, compress ratio 0, 32-token pages"
@@ -526,7 +538,7 @@ def test_cpu_kv_offloading_keeps_the_split(monkeypatch):
     variant (VLLM_USE_SIMPLE_KV_OFFLOAD=1) is not reviewed and falls back."""
     from vllm.config import KVTransferConfig
 
-    monkeypatch.delenv(fix.SIMPLE_OFFLOAD_ENV, raising=False)
+    monkeypatch.delenv(SIMPLE_OFFLOAD_ENV, raising=False)
     offloading = repro.make_vllm_config(128)
     offloading.cache_config.kv_offloading_size = 8.0
     repro.attach_model(offloading, repro.DSV41_FLASH)
@@ -538,7 +550,7 @@ def test_cpu_kv_offloading_keeps_the_split(monkeypatch):
     with repro.applied((12, 0)):
         for config in (offloading, explicit):
             assert _geometry_and_reason(config)[0] == fix.SPLIT
-        monkeypatch.setenv(fix.SIMPLE_OFFLOAD_ENV, "1")
+        monkeypatch.setenv(SIMPLE_OFFLOAD_ENV, "1")
         geometry, reason = _geometry_and_reason(offloading)
     assert geometry == fix.PER_RATIO
     assert reason.startswith("KV connector SimpleCPUOffloadConnector is configured")
@@ -573,12 +585,12 @@ def test_dspark_keeps_the_split_when_no_drafter_layer_has_a_ratio_1_cache():
         assert "with DSpark: no drafter layer owns or reads a ratio-1" in reason
         assert geometry.specs["model.layers.20.attn"].block_size == fix.SPLIT_MANAGER_BLOCK
         assert geometry.specs["model.layers.39.attn.swa_cache"].block_size == fix.PAGE_ROWS
-        drafter_rows = fix.decide(geometry.vllm_config).drafter_swa_rows
+        drafter_rows = decide(geometry.vllm_config).drafter_swa_rows
         for layer in (40, 41, 42):
             spec = geometry.specs[f"model.layers.{layer}.attn.swa_cache"]
             assert spec.block_size == drafter_rows
         assert f"drafter sliding-window pages hold {drafter_rows} tokens" in reason
-        assert "geometry interleaved-split" in fix.status_detail()
+        assert "geometry interleaved-split" in status_detail()
 
 
 # FlashInfer's SM120 DeepSeek-V4 decode kernels take the page size at run time
@@ -593,15 +605,13 @@ def test_drafter_sliding_window_pages_follow_the_installed_flashinfer(request):
     import flashinfer
 
     release = request.config.vllm_release
-    assert fix.flashinfer_takes_runtime_swa_pages() is RUNTIME_PAGES[release], (
-        flashinfer.__version__
-    )
+    assert flashinfer_takes_runtime_swa_pages() is RUNTIME_PAGES[release], flashinfer.__version__
     rows = fix.DRAFTER_SWA_ROWS if RUNTIME_PAGES[release] else fix.PAGE_ROWS
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0, 0, 0))
         repro.select_kernel_block_sizes(geometry)
         repro.allocate_and_bind(geometry)  # the start-up self-check runs inside and passes
-        pages = {page.layer: page.rows for page in fix.bound_pages(geometry.forward_context)}
+        pages = {page.layer: page.rows for page in bound_pages(geometry.forward_context)}
     assert {pages[f"model.layers.{layer}.attn.swa_cache"] for layer in (40, 41, 42)} == {rows}
     assert pages["model.layers.39.attn.swa_cache"] == fix.PAGE_ROWS
     drafter_groups = {
@@ -636,7 +646,7 @@ def test_drafter_pages_are_planned_both_ways_and_hold_at_least_upstream(count, r
     with repro.sm120_platform(), capacity.forced_geometry(None):
         fixed = capacity.measure("dspark", 128, lens, settings)
         with repro.applied((12, 0)):
-            decision = fix.decide(repro.plan_geometry(128, settings=settings).vllm_config)
+            decision = decide(repro.plan_geometry(128, settings=settings).vllm_config)
         with capacity.drafter_pages_kept_at_64():
             narrow = capacity.measure("dspark, 64-row drafter pages", 128, lens, settings)
     upstream = capacity.upstream_rows(lens, settings.drafter_ratios)
@@ -718,7 +728,7 @@ def test_drafter_pages_can_be_forced_to_128(monkeypatch):
     with repro.applied((12, 0)):
         geometry = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0,))
     assert geometry.specs["model.layers.40.attn.swa_cache"].block_size == fix.DRAFTER_SWA_ROWS
-    decision = fix.decide(geometry.vllm_config)
+    decision = decide(geometry.vllm_config)
     assert (decision.drafter_swa_rows, decision.drafter_rows_why) == (
         128,
         f"{fix.DRAFTER_SWA_ENV}=128",
@@ -730,9 +740,9 @@ def test_drafter_rows_other_than_64_or_128_count_as_unset(monkeypatch, value):
     monkeypatch.delenv(fix.DRAFTER_SWA_ENV, raising=False)
     with repro.applied((12, 0)):
         config = repro.plan_geometry(128, speculative_config=_dspark(), drafter_ratios=(0,))
-        unset = fix.decide(config.vllm_config).drafter_swa_rows
+        unset = decide(config.vllm_config).drafter_swa_rows
         monkeypatch.setenv(fix.DRAFTER_SWA_ENV, value)
-        assert fix.decide(config.vllm_config).drafter_swa_rows == unset
+        assert decide(config.vllm_config).drafter_swa_rows == unset
 
 
 def test_dspark_drafter_with_a_ratio_1_cache_falls_back_and_names_the_layer():
@@ -755,7 +765,7 @@ def test_split_bound_with_a_ratio_1_drafter_stops_at_binding_naming_it():
         repro.allocate_and_bind(geometry)  # the split binds; the drafters pass the check
         geometry.layers["model.layers.41.attn"].compress_ratio = 1
         with pytest.raises(fix.PageGeometryError, match=r"model\.layers\.41\.attn \(drafter"):
-            fix.check_no_split_drafter(geometry.forward_context)
+            check_no_split_drafter(geometry.forward_context)
 
 
 @pytest.mark.parametrize(
@@ -813,7 +823,7 @@ def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkey
         name, reason = _geometry_and_reason(geometry.vllm_config)
         assert name == fix.PER_RATIO
         assert "not reviewed" in reason and "_with_kernel_block_table" in reason
-        assert "geometry per-ratio" in fix.status_detail()
+        assert "geometry per-ratio" in status_detail()
 
 
 def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
@@ -954,10 +964,10 @@ def test_slot_translation_is_the_kernel_table_formula_and_keeps_pads():
         manager = torch.cat([manager, torch.full((7,), -1)])
         ktable = group.map_to_kernel_block_table(table).long()
         want = torch.cat([ktable[r, p // 64] * 64 + p % 64 for r, p in enumerate(positions)])
-        got = fix.kernel_slots(group, manager)
+        got = kernel_slots(group, manager)
         assert torch.equal(got[: want.numel()], want)
         assert torch.equal(got[want.numel() :], torch.full((7,), -1))
-        again = fix.kernel_slots(group, manager[:50])
+        again = kernel_slots(group, manager[:50])
         assert again.data_ptr() == got.data_ptr()
 
 

@@ -21,7 +21,7 @@ import pytest
 from fix_releases import DSV41, covered, newest
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table
@@ -117,9 +117,7 @@ def test_issue_25_release_facts(cells):
             assert c.upstream_works is False, c
             assert c.start_error or c.upstream_rejected, c
             for rejection in c.upstream_rejected:
-                assert rejection.kernel in {
-                    e.title for e in fix.envelope.kernel_envelopes().values()
-                }
+                assert rejection.kernel in {e.title for e in envelope.kernel_envelopes().values()}
 
 
 def test_sm121_cells_are_sm120s(cells):

@@ -235,8 +235,11 @@ def test_split_layout_interleaves_64_row_ratio1_pages(report):
     keeps its rows in its manager page: 64, and the drafter layer's
     sliding-window pages 128 where FlashInfer takes run-time page sizes."""
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
+        flashinfer_takes_runtime_swa_pages,
+    )
 
-    drafter_rows = fix.DRAFTER_SWA_ROWS if fix.flashinfer_takes_runtime_swa_pages() else 64
+    drafter_rows = fix.DRAFTER_SWA_ROWS if flashinfer_takes_runtime_swa_pages() else 64
     g = _geometry(report, "split")
     for line in g["layout"]:
         name = line.split(":")[0]

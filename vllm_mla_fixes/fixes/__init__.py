@@ -1,8 +1,8 @@
 """The fixes, in the order :func:`vllm_mla_fixes.register` applies them.
 
 Each module or package here holds one fix, with a DEP-3-style header, and
-satisfies :class:`vllm_mla_fixes.fix.Fix` (``INFO``, ``SETTINGS``, ``probe()``,
-``apply(patch)``, ``diagnose(env, serve)``, ``verify(report)`` and its part of
+exposes its record, ``FIX``, a :class:`vllm_mla_fixes.fix.Fix` (``INFO``,
+``SETTINGS``, ``probe``, ``apply``, ``diagnose``, ``verify`` and its part of
 the command line).  ``ALL_FIXES`` is the one place that names them: nothing
 else outside a fix's own folder does.  Modules import vLLM only inside what
 they run, so importing this package stays cheap.
@@ -14,9 +14,13 @@ from vllm_mla_fixes import settings
 from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry, fa4_compile_strides, fp8_ds_mla_reshape
 
-ALL_FIXES: tuple[Fix, ...] = (fp8_ds_mla_reshape, fa4_compile_strides, dsv41_sm120_geometry)
+ALL_FIXES: tuple[Fix, ...] = (
+    fp8_ds_mla_reshape.FIX,
+    fa4_compile_strides.FIX,
+    dsv41_sm120_geometry.FIX,
+)
 FIX_NAMES = tuple(m.INFO.name for m in ALL_FIXES)
-FIXES_BY_NAME = {m.INFO.name: m for m in ALL_FIXES}
+FIXES_BY_NAME = {fix.INFO.name: fix for fix in ALL_FIXES}
 COVERED_RELEASES = tuple(
     sorted({r for m in ALL_FIXES for r in m.INFO.covered_releases}, key=Version)
 )

@@ -71,19 +71,16 @@ import importlib
 import logging
 import os
 import sys
-import typing
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_mla_fixes import fix, patching
+from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 
-# typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
-# on the module's upper-case names (screen_cache._constants).
-if typing.TYPE_CHECKING:
+if TYPE_CHECKING:
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
-    from vllm_mla_fixes.settings import Setting
 
 INFO = FixInfo(
     name="fa4-compile-strides",
@@ -98,7 +95,6 @@ INFO = FixInfo(
     error="ValueError: Mismatched mO.strides[0] on argument #3 when calling: `__call__(mQ: "
     "Tensor([n0, n1, n2], bfloat16), ... output_scale: None)`, expected to be 132096",
 )
-SETTINGS: tuple[Setting, ...] = ()  # it reads no setting of its own
 
 FA_PACKAGE = "vllm.vllm_flash_attn"
 UTILS_MODULE = "vllm.vllm_flash_attn.cute.cute_dsl_utils"
@@ -218,7 +214,7 @@ def probe() -> str | None:
     _fa4_package()
     from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
 
-    return cached_screen(sys.modules[__name__], source_screen)
+    return cached_screen(FIX, source_screen)
 
 
 def _cute_fake_tensor_api() -> tuple[Any, Any, Any]:
@@ -509,7 +505,7 @@ def as_sm100_node(env: Environment) -> Environment:
     ):
         return env
     try:
-        reason = cached_screen(sys.modules[__name__], source_screen)
+        reason = cached_screen(FIX, source_screen)
     except (CannotProbe, TargetMismatch) as exc:
         return as_serving_node(env, INFO.name, SM100_NODE, "skipped", str(exc))
     if reason is not None:
@@ -559,16 +555,26 @@ def _diagnose_fix_state(env: Environment, workaround: bool) -> Finding:
     return verdict
 
 
-# -- the rest of the Fix protocol (vllm_mla_fixes.fix) ------------------------------------
-
-# What it has nothing of its own for: set-up, commands, kernel statements, status keys.
-prepare_verify = fix.no_preparation
-add_commands = fix.no_commands
-kernel_disagreements = fix.no_disagreements
-status_json = fix.no_status_keys
-
-
 def verify(report: Callable[[str], None]) -> bool:
     from vllm_mla_fixes.reproductions import fa4_compile_strides
 
     return fa4_compile_strides.verify(report)
+
+
+FIX = Fix(
+    INFO=INFO,
+    SETTINGS=(),  # it reads no setting of its own
+    REVIEWED=REVIEWED,
+    DOCTOR_JSON_KEY=None,
+    probe=probe,
+    apply=apply,
+    source_screen=source_screen,
+    status_in_process=fix.status_as_applied,
+    diagnose=diagnose,
+    # nothing of its own for set-up, commands, kernel statements or status keys
+    prepare_verify=fix.no_preparation,
+    verify=verify,
+    add_commands=fix.no_commands,
+    kernel_disagreements=fix.no_disagreements,
+    status_json=fix.no_status_keys,
+)

@@ -41,12 +41,12 @@ import functools
 import inspect
 import math
 import sys
-import typing
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_mla_fixes import fix
+from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.patching import (
     Definition,
     FixInfo,
@@ -56,11 +56,8 @@ from vllm_mla_fixes.patching import (
     vllm_source,
 )
 
-# typing.TYPE_CHECKING, not a TYPE_CHECKING of this module: the screen cache keys
-# on the module's upper-case names (screen_cache._constants).
-if typing.TYPE_CHECKING:
+if TYPE_CHECKING:
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
-    from vllm_mla_fixes.settings import Setting
 
 _R = TypeVar("_R")
 
@@ -75,7 +72,6 @@ INFO = FixInfo(
     hardware="SM90, SM100 (FLASHMLA_SPARSE)",
     error="RuntimeError: shape '[32, 64, 576]' is invalid for input of size 1343488",
 )
-SETTINGS: tuple[Setting, ...] = ()  # it reads no setting of its own
 
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_MLA_BYTES_PER_TOKEN = 656
@@ -168,7 +164,7 @@ def probe() -> str | None:
         return "MLAAttentionSpec already derives kv_quant_mode from fp8_ds_mla"
     from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
 
-    return cached_screen(sys.modules[__name__], source_screen)
+    return cached_screen(FIX, source_screen)
 
 
 def source_screen() -> str | None:
@@ -375,16 +371,26 @@ def _likely_backend(sm: int | None) -> str:
     return "FLASHMLA_SPARSE (likely on this GPU)"
 
 
-# -- the rest of the Fix protocol (vllm_mla_fixes.fix) ------------------------------------
-
-# What it has nothing of its own for: set-up, commands, kernel statements, status keys.
-prepare_verify = fix.no_preparation
-add_commands = fix.no_commands
-kernel_disagreements = fix.no_disagreements
-status_json = fix.no_status_keys
-
-
 def verify(report: Callable[[str], None]) -> bool:
     from vllm_mla_fixes.reproductions import fp8_ds_mla
 
     return fp8_ds_mla.verify(report)
+
+
+FIX = Fix(
+    INFO=INFO,
+    SETTINGS=(),  # it reads no setting of its own
+    REVIEWED=REVIEWED,
+    DOCTOR_JSON_KEY=None,
+    probe=probe,
+    apply=apply,
+    source_screen=source_screen,
+    status_in_process=fix.status_as_applied,
+    diagnose=diagnose,
+    # nothing of its own for set-up, commands, kernel statements or status keys
+    prepare_verify=fix.no_preparation,
+    verify=verify,
+    add_commands=fix.no_commands,
+    kernel_disagreements=fix.no_disagreements,
+    status_json=fix.no_status_keys,
+)

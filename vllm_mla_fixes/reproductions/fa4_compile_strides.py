@@ -579,7 +579,7 @@ def apply_fix(env: types.SimpleNamespace) -> str:
     from vllm_mla_fixes.fixes import fa4_compile_strides
     from vllm_mla_fixes.patching import run_fix
 
-    result = run_fix(fa4_compile_strides, env.vllm.__version__)
+    result = run_fix(fa4_compile_strides.FIX, env.vllm.__version__)
     return result.status.label() if result.status.state.value != "applied" else "applied"
 
 
@@ -680,7 +680,7 @@ def gate(cpu_package: bool = True) -> dict:
         "admitted": fix.INFO.admits(version or "0"),
         "bare_package": expose_fa4_package() if cpu_package else False,
     }
-    result = run_fix(fix, version or "0")  # as the gate above reads a missing vLLM
+    result = run_fix(fix.FIX, version or "0")  # as the gate above reads a missing vLLM
     out["status"] = result.status.state.value
     out["status_reason"] = result.status.reason
     # what register() costs a process that never runs FA4 (API server, engine core)

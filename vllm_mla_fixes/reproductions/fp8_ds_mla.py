@@ -254,7 +254,7 @@ def verify(report: Callable[[str], None]) -> bool:
         )
         report(f"upstream  {what}, {outcome.num_blocks} blocks: {outcome.error or 'no error'}")
         reproduced &= outcome.error is not None and UPSTREAM_ERRORS[path] in outcome.error
-    result = run_fix(fp8_ds_mla_reshape, installed_vllm_version() or "0")
+    result = run_fix(fp8_ds_mla_reshape.FIX, installed_vllm_version() or "0")
     if result.status.state is not State.APPLIED:
         report(f"fix not applied: {result.status.label()}")
         return False

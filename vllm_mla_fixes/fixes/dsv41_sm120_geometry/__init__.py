@@ -61,6 +61,9 @@ Remove when
     layout produces and vLLM's backends say so.
 
 Layout (imports point down this list)
+    __init__     ``FIX``, the record the package reaches the fix through; its
+                 command, doctor and reproduction members import those
+                 modules when called, so loading the plugin loads none of them
     cli          ``selftest``, ``status --truth-table``, the set-up ``verify`` needs
     reproductions, selftest   the CPU reproductions (``verify``) and the self-test
     apply        installs the wrappers through ``Patch``
@@ -76,40 +79,15 @@ Layout (imports point down this list)
     info, settings, vocabulary   ``INFO``, constants, the fix's settings, enums
 """
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply import apply, for_capability
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
-    bound_pages,
-    check_no_split_drafter,
-    check_page_geometry,
-    check_workers_agree,
-    specs_geometry,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.cli import (
-    add_commands,
-    kernel_disagreements,
-    prepare_verify,
-    status_json,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
-    Decision,
-    decide,
-    decide_for,
-    flashinfer_takes_runtime_swa_pages,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import (
-    DOCTOR_JSON_KEY,
-    INDEXER_FP8_FLAG,
-    MOE_MARLIN_FLAG,
-    SPLIT_ERROR_0_34,
-    diagnose,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import (
-    SIMPLE_OFFLOAD_ENV,
-    EngineConfig,
-    ModelLayout,
-    engine_config,
-)
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
     REVIEWED,
     SPLIT_TARGETS,
@@ -119,6 +97,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     ATTENTION_MODULE,
+    DOCTOR_JSON_KEY,
     DRAFTER_SWA_ENV,
     DRAFTER_SWA_ROWS,
     FLASHINFER_BACKEND,
@@ -137,16 +116,90 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     WORKER_UTILS_MODULE,
     PageGeometryError,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import verify
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.settings import SETTINGS
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import (
-    engine_report,
-    engine_reports,
-    status_detail,
-    status_in_process,
-)
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import CacheKind, Geometry
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.commands import Commands
+    from vllm_mla_fixes.patching import FixStatus, Patch
+    from vllm_mla_fixes.report import Environment, Finding, ServeLine
+
+# The members below import their module when called: apply's wrappers (and the
+# decision and kernel envelopes under them) only where the probe found the bug,
+# the commands, doctor and reproductions only where a command runs them.
+
+
+def apply(patch: Patch) -> None:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import apply as wrappers
+
+    wrappers.apply(patch)
+
+
+def status_in_process(applied: FixStatus) -> FixStatus:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import status
+
+    return status.status_in_process(applied)
+
+
+def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor
+
+    return doctor.diagnose(env, serve)
+
+
+def prepare_verify() -> None:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import cli
+
+    cli.prepare_verify()
+
+
+def verify(report: Callable[[str], None]) -> bool:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import reproductions
+
+    return reproductions.verify(report)
+
+
+def add_commands(commands: Commands) -> None:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import cli
+
+    cli.add_commands(commands)
+
+
+def kernel_disagreements() -> list[str]:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import cli
+
+    return cli.kernel_disagreements()
+
+
+def status_json(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import cli
+
+    return cli.status_json(args)
+
+
+FIX = Fix(
+    INFO=INFO,
+    SETTINGS=SETTINGS,
+    REVIEWED=REVIEWED,
+    DOCTOR_JSON_KEY=DOCTOR_JSON_KEY,
+    probe=probe,
+    apply=apply,
+    source_screen=source_screen,
+    status_in_process=status_in_process,
+    diagnose=diagnose,
+    prepare_verify=prepare_verify,
+    verify=verify,
+    add_commands=add_commands,
+    kernel_disagreements=kernel_disagreements,
+    status_json=status_json,
+)
+
+
+def for_capability(capability: tuple[int, int]) -> Fix:
+    """This fix as seen from a device of ``capability``: its probe reads that
+    capability instead of the visible device's (tests, and ``verify`` on CPU)."""
+    return dataclasses.replace(FIX, probe=functools.partial(probe, capability))
+
 
 __all__ = [
     "ATTENTION_MODULE",
@@ -154,56 +207,28 @@ __all__ = [
     "DOCTOR_JSON_KEY",
     "DRAFTER_SWA_ENV",
     "DRAFTER_SWA_ROWS",
-    "Decision",
-    "EngineConfig",
+    "FIX",
     "FLASHINFER_BACKEND",
     "FLASHINFER_MODULE",
     "GAIN_TO_APPLY",
     "GEOMETRY_ENV",
     "Geometry",
     "INDEXER_BACKEND",
-    "INDEXER_FP8_FLAG",
     "INDEXER_MODULE",
     "INFO",
-    "MOE_MARLIN_FLAG",
-    "ModelLayout",
     "PAGE_ROWS",
     "PER_RATIO",
     "PageGeometryError",
     "REVIEWED",
-    "SIMPLE_OFFLOAD_ENV",
+    "SETTINGS",
     "SPLIT",
-    "SPLIT_ERROR_0_34",
     "SPLIT_MANAGER_BLOCK",
     "SPLIT_TARGETS",
-    "SETTINGS",
-    "STATE",
     "UPSTREAM",
     "UPSTREAM_SWA_BLOCK",
     "WORKER_UTILS_MODULE",
-    "add_commands",
-    "apply",
-    "bound_pages",
-    "check_no_split_drafter",
-    "check_page_geometry",
-    "check_workers_agree",
-    "decide",
-    "decide_for",
-    "diagnose",
-    "engine_config",
-    "engine_report",
-    "engine_reports",
-    "flashinfer_takes_runtime_swa_pages",
     "for_capability",
-    "kernel_disagreements",
-    "kernel_slots",
-    "prepare_verify",
     "probe",
     "source_screen",
-    "specs_geometry",
     "split_unreviewed",
-    "status_detail",
-    "status_in_process",
-    "status_json",
-    "verify",
 ]

@@ -1,9 +1,7 @@
-"""Apply: installs the fix's wrappers on the vLLM modules as they are imported,
-and :func:`for_capability`, the fix as seen from a given device."""
+"""Apply: installs the fix's wrappers on the vLLM modules as they are imported."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -15,12 +13,11 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
     with_workers_agreeing,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import probe, split_unreviewed
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import split_unreviewed
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     ATTENTION_MODULE,
     FLASHINFER_MODULE,
     INDEXER_MODULE,
-    INFO,
     WARMUP_MODULE,
     WORKER_UTILS_MODULE,
 )
@@ -31,7 +28,6 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.specs import (
     warmup_keys_with_64_state_pages,
     wrap_spec_producer,
 )
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import status_in_process
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.views import (
     with_interleaved_ratio1_views,
     with_pair_manager_view,
@@ -127,14 +123,3 @@ def _patch_interleaved_split(patch: Patch, module: ModuleType) -> None:
         "copy_kv_cache_blocks_inplace",
         with_pair_region_copies(module.copy_kv_cache_blocks_inplace),
     )
-
-
-def for_capability(capability: tuple[int, int]) -> ModuleType:
-    """This fix as a module whose probe sees ``capability`` -- for
-    :func:`vllm_mla_fixes.patching.run_fix` in tests and ``verify`` on CPU."""
-    module = ModuleType(f"{__package__}.as_sm{capability[0]}{capability[1]}")
-    module.INFO = INFO  # type: ignore[attr-defined]
-    module.probe = functools.partial(probe, capability)  # type: ignore[attr-defined]
-    module.apply = apply  # type: ignore[attr-defined]
-    module.status_in_process = status_in_process  # type: ignore[attr-defined]
-    return module

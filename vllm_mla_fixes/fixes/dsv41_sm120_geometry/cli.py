@@ -2,8 +2,9 @@
 command, ``status``'s ``--truth-table`` option and its ``status`` output,
 and the CPU set-up ``verify`` needs before vLLM is imported.
 
-The shared command line (:mod:`vllm_mla_fixes.cli`) imports the fixes, so
-this module imports it only inside the functions it calls.
+What it shares with the package's command line comes from
+:mod:`vllm_mla_fixes.commands`, below the fixes; the package's ``FIX``
+record imports this module only when a command calls it.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import vllm_mla_fixes
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import DOCTOR_JSON_KEY
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO
+from vllm_mla_fixes.commands import EXIT_USAGE, PROG, CommandError, exit_codes, logs_to_stderr
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import DOCTOR_JSON_KEY, INFO
+from vllm_mla_fixes.patching import installed_vllm_version
 
 if TYPE_CHECKING:
-    from vllm_mla_fixes.cli import Commands
+    from vllm_mla_fixes.commands import Commands
 
 
 def _covered_release_installed() -> bool:
-    return vllm_mla_fixes.installed_vllm_version() in INFO.covered_releases
+    return installed_vllm_version() in INFO.covered_releases
 
 
 def kernel_disagreements() -> list[str]:
@@ -32,7 +33,6 @@ def kernel_disagreements() -> list[str]:
     (empty outside the releases the fix covers)."""
     if not _covered_release_installed():
         return []
-    from vllm_mla_fixes.cli import logs_to_stderr
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope
 
     with logs_to_stderr():
@@ -46,7 +46,6 @@ def status_json(args: argparse.Namespace) -> dict[str, Any]:
 
     document: dict[str, Any] = {DOCTOR_JSON_KEY: engine_reports()}
     if _covered_release_installed():
-        from vllm_mla_fixes.cli import logs_to_stderr
         from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table
 
         with logs_to_stderr():
@@ -69,7 +68,6 @@ def prepare_verify() -> None:
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     from vllm_mla_fixes import arguments, atomic
-    from vllm_mla_fixes.cli import EXIT_USAGE, PROG, CommandError, logs_to_stderr
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.verdicts import EXIT_CANNOT_RUN
 
     if args.report is not None:  # before minutes of testing
@@ -86,7 +84,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
             EXIT_CANNOT_RUN,
         ) from None
     prepare_verify()
-    if vllm_mla_fixes.installed_vllm_version() is None:
+    if installed_vllm_version() is None:
         raise CommandError(
             f"cannot run: vLLM is not installed in this environment ({sys.executable})",
             EXIT_CANNOT_RUN,
@@ -132,7 +130,6 @@ def add_commands(commands: Commands) -> None:
 
 def _add_selftest_parser(commands: Commands) -> None:
     from vllm_mla_fixes import arguments
-    from vllm_mla_fixes.cli import exit_codes
 
     selftest = commands.add(
         "selftest",

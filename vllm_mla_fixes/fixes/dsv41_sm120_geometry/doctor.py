@@ -186,10 +186,6 @@ def _serve_line_findings(env: Environment, serve: ServeLine) -> list[Finding]:
     return findings
 
 
-# doctor --json's top-level key for this fix's facts (``Finding.facts``; null
-# where no DeepSeek-V4.1 line was judged), documented in docs/install.md.
-DOCTOR_JSON_KEY = "dsv41"
-
 SM12X_NODE = "an SM12x serving node"
 
 

@@ -5,15 +5,13 @@ probe that decides, per device, whether the installed vLLM needs the fix."""
 from __future__ import annotations
 
 import ast
-import sys
 
 from vllm_mla_fixes import patching
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (  # noqa: F401 - INFO keys screen_cache's entries for this module
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     ATTENTION_MODULE,
     COMPRESSOR_MODULE,
     FLASHINFER_MODULE,
     INDEXER_MODULE,
-    INFO,
     SPARSE_MLA_MODULE,
     SWA_MODULE,
     UPSTREAM_SWA_BLOCK,
@@ -188,9 +186,10 @@ def probe(capability: tuple[int, int] | None = None) -> str | None:
             f"SM{major}{minor}: the page geometry is wrong only on SM12x; "
             "this device keeps vLLM's block sizes"
         )
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import FIX  # the record, above this module
     from vllm_mla_fixes.screen_cache import cached_screen  # parsing vLLM costs each process ~0.1 s
 
-    return cached_screen(sys.modules[__name__], source_screen)
+    return cached_screen(FIX, source_screen)
 
 
 def source_screen() -> None:
@@ -219,7 +218,7 @@ def split_unreviewed() -> str | None:
     if patching.sources_root() is not None:  # screening another tree (review)
         return _screen_split_targets()
     try:
-        key = screen_key(sys.modules[__name__])
+        key = screen_key(REVIEWED, source_screen)
     except OSError:
         return _screen_split_targets()
     if key not in _split_screens:

@@ -47,6 +47,10 @@ INFO = FixInfo(
 )
 
 
+# doctor --json's top-level key for this fix's facts (``Finding.facts``; null
+# where no DeepSeek-V4.1 line was judged), documented in docs/install.md.
+DOCTOR_JSON_KEY = "dsv41"
+
 PAGE_ROWS = 64
 """States per page that FlashInfer's SM120 sparse-MLA kernels (primary page) and
 SM120's paged-MQA indexer kernels take."""

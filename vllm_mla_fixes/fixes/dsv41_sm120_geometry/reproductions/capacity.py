@@ -21,6 +21,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
+    decide,
+    flashinfer_takes_runtime_swa_pages,
+)
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 MAX_MODEL_LENS = (8192, 131072)
@@ -166,7 +170,7 @@ def measure(
                     max_model_len=max_model_len,
                 )
             if fixed:
-                decision = fix.decide(plan.vllm_config)
+                decision = decide(plan.vllm_config)
                 geometry, reason = decision.geometry.value, decision.reason
             else:
                 geometry, reason = "upstream", f"vLLM's own layout for --block-size {block_size}"
@@ -260,7 +264,7 @@ def _fixed_rows(block_size: int, line_label: str, max_model_lens: tuple[int, ...
     drafter_pages: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
         ("", contextlib.nullcontext)
     ]
-    if fix.flashinfer_takes_runtime_swa_pages():
+    if flashinfer_takes_runtime_swa_pages():
         drafter_pages.append((f", {fix.DRAFTER_SWA_ENV}=64", drafter_pages_kept_at_64))
     for count in DSPARK_DRAFTER_COUNTS:
         for suffix, pages in drafter_pages:

@@ -35,6 +35,7 @@ import torch
 
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
 
 TINY_DSV41 = Path(__file__).resolve().parents[3] / "models" / "tiny_deepseek_v41" / "config.json"
 
@@ -765,7 +766,7 @@ def _verify(report: Callable[[str], None]) -> bool:
             allocate_and_bind(geometry)  # runs the start-up self-check
             pages = flashinfer_pages(geometry)
             rejected, unknown = kernel_verdicts(pages)
-            decision = fix.STATE.decision_for(geometry.vllm_config)
+            decision = STATE.decision_for(geometry.vllm_config)
             decided = decision.geometry
             report(
                 f"--block-size {block_size}, fixed ({decided}): kernel block sizes "

@@ -350,7 +350,7 @@ def _cache_file() -> Path | str:
         for path in sources:
             digest.update(path.read_bytes())
         digest.update(envelope.content_key().encode())
-        digest.update(screen_cache.screen_key(gate).encode())
+        digest.update(screen_cache.screen_key(gate.REVIEWED, gate.source_screen).encode())
         folder = screen_cache.cache_dir()
     except (OSError, ValueError) as exc:
         return f"no cache to keep it in: {exc}"

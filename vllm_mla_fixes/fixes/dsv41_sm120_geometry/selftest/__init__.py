@@ -46,9 +46,13 @@ DEFAULT_GEOMETRIES = ("split", "fallback", "control", "upstream")
 
 def _preflight(device: Device) -> str | None:
     """Why the self-test cannot run here, or None."""
-    from vllm_mla_fixes import installed_vllm_version
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-    from vllm_mla_fixes.patching import CannotProbe, TargetMismatch, release_decision
+    from vllm_mla_fixes.patching import (
+        CannotProbe,
+        TargetMismatch,
+        installed_vllm_version,
+        release_decision,
+    )
 
     version = installed_vllm_version()
     if version is None:

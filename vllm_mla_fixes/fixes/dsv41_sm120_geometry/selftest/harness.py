@@ -289,9 +289,9 @@ def _geometry_run(
         result.layout = describe(layout)
         result.guard_error = layout.guard_error
         if applied is not None:
-            from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+            from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import status_detail
 
-            result.status = f"{applied.status.reason}; {fix.status_detail()}"
+            result.status = f"{applied.status.reason}; {status_detail()}"
         result.tiling_problems = tiling_problems(layout)
         yield Run(layout, kernels, result, seed, entering)
 

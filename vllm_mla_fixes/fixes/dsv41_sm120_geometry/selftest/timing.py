@@ -66,7 +66,7 @@ def slot_translation_cost(device: Device) -> list[StepCost]:
 
 
 def _slot_translation_cost(device: torch.device) -> list[StepCost]:
-    from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
 
     from .applied import applied_fix
 
@@ -94,7 +94,7 @@ def _slot_translation_cost(device: torch.device) -> list[StepCost]:
             out.append(
                 StepCost(
                     tokens,
-                    _best_us(lambda s=slots: fix.kernel_slots(group, s), device),
+                    _best_us(lambda s=slots: kernel_slots(group, s), device),
                     _best_us(lambda t=table: group.map_to_kernel_block_table(t), device),
                 )
             )
