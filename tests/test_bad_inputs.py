@@ -331,12 +331,12 @@ def status_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
 
 @pytest.mark.parametrize(("run", "variable", "problem"), SETTING_CASES)
 def test_invalid_setting_warns_once_and_status_flags_it(status_runs, run, variable, problem):
-    from vllm_mla_fixes import settings
+    from vllm_mla_fixes.fixes import SETTINGS
 
     value = STATUS_RUNS[run][variable]
     proc = status_runs[run]
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
-    allowed = next(s for s in settings.SETTINGS if s.name == variable).allowed
+    allowed = next(s for s in SETTINGS if s.name == variable).allowed
     # the plugin, as vLLM loads it: one warning naming the variable, its value and what is allowed
     warnings = [line for line in proc.stderr.splitlines() if f"{variable}=" in line]
     assert len(warnings) == 1, proc.stderr

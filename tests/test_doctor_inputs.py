@@ -149,7 +149,7 @@ def test_an_unreadable_config_will_fail_and_json_says_so(tmp_path):
     model = _model(tmp_path / "model", None)
     Path(model, "config.json").chmod(0)
     bad = {
-        settings.FIXES.name: "all,bogus",
+        settings.FIXES_VARIABLE: "all,bogus",
         **{s.name: "bogus" for fix in ALL_FIXES for s in fix.SETTINGS},  # each fix's own
         settings.CACHE_DIR.name: "/etc/passwd/sub",
     }

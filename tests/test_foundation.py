@@ -228,11 +228,12 @@ def test_register_twice_equals_once(fresh_plugin):
 )
 def test_selection_variable(monkeypatch, value, selected):
     from vllm_mla_fixes import settings
+    from vllm_mla_fixes.fixes import SELECTION
 
     monkeypatch.delenv("VLLM_MLA_FIXES", raising=False)
     if value is not None:
         monkeypatch.setenv("VLLM_MLA_FIXES", value)
-    assert settings.value(settings.FIXES) == selected
+    assert settings.value(SELECTION) == selected
 
 
 @pytest.mark.vllm_release("0.25.1")

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_mla_fixes import settings as plugin_settings
-from vllm_mla_fixes.fixes import FIXES_BY_NAME
+from vllm_mla_fixes.fixes import FIXES_BY_NAME, SELECTION
 from vllm_mla_fixes.report import PLUGIN, Finding, plugins_advice, shell_word, spaced_note
 
 pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
@@ -91,14 +91,12 @@ def test_a_shell_word_means_exactly_its_text_and_prints(text):
 
 def test_settings_are_shown_escaped_and_cut():
     reading = plugin_settings.Reading(
-        "VLLM_MLA_FIXES", "\x1b[31m" + "x" * 120_000, plugin_settings.FIXES, problem="p"
+        "VLLM_MLA_FIXES", "\x1b[31m" + "x" * 120_000, SELECTION, problem="p"
     )
     line = reading.describe()
     assert line.isprintable() and "\\x1b[31m" in line and len(line) < 1000
     assert plugin_settings.terminal_line("a\x1b[31mb\udcff") == "a\\x1b[31mb\\udcff"
-    unknown = plugin_settings.read(
-        plugin_settings.FIXES, {"VLLM_MLA_FIXES": ",".join(["y" * 50_000] * 20)}
-    )
+    unknown = plugin_settings.read(SELECTION, {"VLLM_MLA_FIXES": ",".join(["y" * 50_000] * 20)})
     assert unknown is not None and len(unknown.describe()) < 2000, "a long value is cut"
 
 
@@ -122,7 +120,7 @@ def _plugin_state(environ: dict[str, str], fix: str, everything_on: str) -> str:
     plugins = environ.get("VLLM_PLUGINS")
     if plugins is not None and PLUGIN not in plugins.split(","):
         return "skipped"  # never loaded, so never evaluated
-    selected = plugin_settings.value(plugin_settings.FIXES, environ)
+    selected = plugin_settings.value(SELECTION, environ)
     return "disabled" if selected is not None and fix not in selected else everything_on
 
 

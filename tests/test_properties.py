@@ -47,7 +47,7 @@ from json_schemas import schema_problems
 
 from vllm_mla_fixes import cli
 from vllm_mla_fixes import settings as plugin_settings
-from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, SELFTEST_RELEASES
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, SELECTION, SELFTEST_RELEASES, SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "cli_worker.py"
@@ -435,7 +435,7 @@ def values_around(setting: plugin_settings.Setting) -> st.SearchStrategy[str]:
 
 
 SETTING_VALUES = {
-    plugin_settings.FIXES.name: FIX_SELECTIONS,
+    SELECTION.name: FIX_SELECTIONS,
     **{s.name: values_around(s) for fix in ALL_FIXES for s in fix.SETTINGS},
 }
 CACHE_SEGMENT = st.one_of(
@@ -470,7 +470,7 @@ CACHE_DIRS = st.one_of(
 def _expected_states(baseline: dict[str, str], env: dict[str, str]) -> dict[str, str]:
     """What no setting may change: each fix's state without any setting,
     except a fix a valid VLLM_MLA_FIXES leaves out, which is disabled."""
-    selected = plugin_settings.value(plugin_settings.FIXES, env)
+    selected = plugin_settings.value(SELECTION, env)
     return {
         name: "disabled" if selected is not None and name not in selected else state
         for name, state in baseline.items()
@@ -489,7 +489,7 @@ def _check_settings(worker, env: dict[str, str], baseline: dict[str, str], cwd: 
     outcome = worker.run({"argv": ["status", "--json"], "env": env, "cwd": str(cwd)})
     document = assert_contract(["status", "--json"], outcome)
     assert document is not None
-    invalid = [r for r in plugin_settings.readings(env) if r.setting and not r.valid]
+    invalid = [r for r in plugin_settings.readings(SETTINGS, env) if r.setting and not r.valid]
     assert outcome["status"] == (2 if invalid else 0), (env, outcome)
     states = {fix["name"]: fix["state"] for fix in document["fixes"]}
     assert states == _expected_states(baseline, env), (env, document["fixes"])
@@ -524,7 +524,7 @@ def test_no_setting_turns_a_fix_off_and_each_invalid_one_warns_once(
         report = assert_contract(["doctor", "--json"], doctor)
         assert report is not None
         warned = [f["message"] for f in report["findings"] if f["level"] == "warn"]
-        for reading in plugin_settings.readings(env):
+        for reading in plugin_settings.readings(SETTINGS, env):
             if reading.setting and not reading.valid:
                 assert reading.describe() in warned, (env, report["findings"])
 

@@ -6,7 +6,7 @@ The decisions are the real ones: each fix's release range and its probe of the
 installed release's code.  Where the target hardware is absent here, the fix's
 own test hook stands in for it (FA4: the harness's ``--gate`` child, which
 imports vLLM's FA4 code without the CUDA extension; a fix that decides per GPU
-offers ``for_capability``, and targets the GPUs its ``INFO.hardware`` names).
+(DeepSeek-V4.1's) offers ``for_capability``, and targets the GPUs its ``INFO.hardware`` names).
 Set ``VLLM_MLA_FIXES_MATRIX_OUT`` to a folder to record the rows
 (``benchmarks/release_matrix.py`` does).
 """
@@ -20,7 +20,12 @@ import sys
 from pathlib import Path
 
 from vllm_mla_fixes import installed_vllm_version
-from vllm_mla_fixes.fixes import ALL_FIXES, fa4_compile_strides, fp8_ds_mla_reshape
+from vllm_mla_fixes.fixes import (
+    ALL_FIXES,
+    dsv41_sm120_geometry,
+    fa4_compile_strides,
+    fp8_ds_mla_reshape,
+)
 from vllm_mla_fixes.patching import run_fix
 from vllm_mla_fixes.reproductions import fa4_compile_strides as fa4_repro
 
@@ -84,9 +89,9 @@ def test_every_fix_reaches_the_right_state_on_this_release(tmp_path):
         rows.append((fp8_ds_mla_reshape.INFO, hardware, _state(result), True))
     for hardware, result in _decide_fa4(version, tmp_path):
         rows.append((fa4_compile_strides.INFO, hardware, _state(result), True))
-    for fix in (f for f in ALL_FIXES if hasattr(f, "for_capability")):
-        for hardware, result in _decide_per_capability(fix, version):
-            rows.append((fix.INFO, hardware, _state(result), hardware in fix.INFO.hardware))
+    for hardware, result in _decide_per_capability(dsv41_sm120_geometry, version):
+        info = dsv41_sm120_geometry.INFO
+        rows.append((info, hardware, _state(result), hardware in info.hardware))
     assert {info.name for info, *_ in rows} == {m.INFO.name for m in ALL_FIXES}
     table = []
     for info, hardware, state, targeted in rows:

@@ -11,12 +11,12 @@ import logging
 import threading
 
 from vllm_mla_fixes import settings
-from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME, SELECTION, SETTINGS
 from vllm_mla_fixes.patching import AppliedFix, FixStatus, State, installed_vllm_version, run_fix
 
 __all__ = ["installed_vllm_version", "register", "status", "revert_all"]
 
-ENV_VAR = settings.FIXES.name
+ENV_VAR = SELECTION.name
 PLUGIN_NAME = "mla_fixes"  # the vllm.general_plugins entry point
 __version__ = "0.1.0"
 
@@ -47,8 +47,8 @@ def register() -> None:
 def _register() -> None:
     log = _logger()
     with _lock:
-        settings.warn_invalid(log)
-        selected = settings.value(settings.FIXES)
+        settings.warn_invalid(log, SETTINGS)
+        selected = settings.value(SELECTION)
         if selected is None:
             selected = frozenset(FIX_NAMES)
         version = installed_vllm_version()

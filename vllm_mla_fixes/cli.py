@@ -29,7 +29,7 @@ from vllm_mla_fixes.commands import (
     exit_codes,
     logs_to_stderr,
 )
-from vllm_mla_fixes.fixes import ALL_FIXES
+from vllm_mla_fixes.fixes import ALL_FIXES, SETTINGS
 
 USAGE_EXIT = "2  bad arguments (one line on stderr says which)"
 
@@ -119,7 +119,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         vllm.plugins.load_general_plugins()
         statuses = vllm_mla_fixes.status()
-    readings = settings.readings()
+    readings = settings.readings(SETTINGS)
     exit_status = EXIT_USAGE if any(r.setting and not r.valid for r in readings) else EXIT_OK
     rows = [
         {
@@ -272,7 +272,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         "Loads the plugins through vLLM's own loader, as vllm serve does (VLLM_PLUGINS\n"
         "applies), then prints each fix's state (applied, not-needed, disabled, skipped)\n"
         f"and reason, and every {settings.PREFIX}* variable that is set.\n\n"
-        + settings.help_text(),
+        + settings.help_text(SETTINGS),
         exit_codes(
             "0  the report is printed",
             "1  vLLM is not installed in this environment",
@@ -350,7 +350,7 @@ def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
     smoke_cmd.add_argument(
         "--api-key",
         type=arguments.api_key,
-        default=os.environ.get("VLLM_API_KEY"),
+        default=settings.environment_variable("VLLM_API_KEY"),
         help="bearer token (default: $VLLM_API_KEY; never printed)",
     )
     smoke_cmd.add_argument(

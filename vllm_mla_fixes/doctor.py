@@ -14,7 +14,6 @@ import dataclasses
 import enum
 import importlib
 import json
-import os
 import shlex
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mla_fixes import __version__, serve_line, settings
-from vllm_mla_fixes.fixes import ALL_FIXES
+from vllm_mla_fixes.fixes import ALL_FIXES, SETTINGS
 from vllm_mla_fixes.patching import release_decision
 from vllm_mla_fixes.report import (
     PLUGIN,
@@ -181,8 +180,8 @@ def read_environment(load_plugins: bool = True) -> Environment:
         gpu=name,
         capability=capability,
         torch_cuda=torch_cuda,
-        vllm_plugins=os.environ.get("VLLM_PLUGINS"),
-        mla_fixes=os.environ.get("VLLM_MLA_FIXES"),
+        vllm_plugins=settings.environment_variable("VLLM_PLUGINS"),
+        mla_fixes=settings.environment_variable(settings.FIXES_VARIABLE),
         fix_states=_fix_states() if load_plugins else {},
         torchaudio_error=_torchaudio_error(),
     )
@@ -190,10 +189,11 @@ def read_environment(load_plugins: bool = True) -> Environment:
 
 def hub_cache() -> Path:
     """The Hugging Face hub cache folder, as huggingface_hub resolves it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "huggingface"
+    hub = settings.environment_variable("HF_HUB_CACHE")
+    if hub:
+        return Path(hub)
+    home = settings.environment_variable("HF_HOME") or Path(
+        settings.environment_variable("XDG_CACHE_HOME") or Path.home() / ".cache", "huggingface"
     )
     return Path(home) / "hub"
 
@@ -373,7 +373,7 @@ def setting_findings() -> list[Finding]:
         Finding("warn", "settings", reading.describe(), "give it an allowed value, or unset it")
         if reading.setting is not None
         else Finding("info", "settings", reading.describe())
-        for reading in settings.readings()
+        for reading in settings.readings(SETTINGS)
         if not reading.valid
     ]
 

@@ -165,7 +165,9 @@ def fix_verdict(env: Environment, name: str) -> Finding:
     if env.vllm_plugins is not None and PLUGIN not in env.vllm_plugins.split(","):
         # once loaded, the plugin reads VLLM_MLA_FIXES: a remedy that leaves the fix
         # deselected there would only lead to the next finding
-        selected = settings.value(settings.FIXES, {settings.FIXES.name: env.mla_fixes or ""})
+        from vllm_mla_fixes.fixes import SELECTION
+
+        selected = settings.value(SELECTION, {SELECTION.name: env.mla_fixes or ""})
         deselected = selected is not None and name not in selected
         return Finding(
             "error",

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import pwd
 import stat
 import textwrap
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +43,20 @@ class Setting:
         )
 
 
-_declared_fix_names: tuple[str, ...] = ()
-
-
-def _fix_names() -> tuple[str, ...]:
-    return _declared_fix_names
-
-
 UNKNOWN_LISTED = 5  # a long list is cut: the message stays a line
 
 
-def _fix_selection(raw: str) -> frozenset[str]:
+def _fix_selection(fix_names: tuple[str, ...], raw: str) -> frozenset[str]:
     text = raw.lower()
     if text == "all":
-        return frozenset(_fix_names())
+        return frozenset(fix_names)
     if text == "none":
         return frozenset()
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise ValueError("it names no fix")
     keywords = sorted({n for n in names if n in ("all", "none")})
-    unknown = [n for n in names if n not in _fix_names() and n not in keywords]
+    unknown = [n for n in names if n not in fix_names and n not in keywords]
     problems = []
     if keywords:
         problems.append(f"{' and '.join(repr(k) for k in keywords)} must stand alone")
@@ -139,15 +133,22 @@ def _user() -> str:
         return f"uid {os.getuid()}"
 
 
-FIXES = Setting(
-    name=PREFIX,
-    allowed_values=lambda: "all, none, or fix names separated by commas "
-    f"({', '.join(_fix_names())})",
-    default="all",
-    meaning="which fixes the plugin may apply; each still applies only where the installed "
-    "vLLM needs it",
-    parse=_fix_selection,
-)
+FIXES_VARIABLE = PREFIX
+
+
+def fix_selection(fix_names: tuple[str, ...]) -> Setting:
+    """``VLLM_MLA_FIXES``, the choice among ``fix_names`` (the package's
+    fixes, which :mod:`vllm_mla_fixes.fixes` passes: this module imports none)."""
+    return Setting(
+        name=FIXES_VARIABLE,
+        allowed_values=f"all, none, or fix names separated by commas ({', '.join(fix_names)})",
+        default="all",
+        meaning="which fixes the plugin may apply; each still applies only where the installed "
+        "vLLM needs it",
+        parse=functools.partial(_fix_selection, fix_names),
+    )
+
+
 CACHE_DIR = Setting(
     name=f"{PREFIX}_CACHE_DIR",
     allowed_values="an absolute path of a folder this user may write in (created when missing)",
@@ -155,21 +156,6 @@ CACHE_DIR = Setting(
     meaning="where the plugin keeps its source-screen verdicts between processes",
     parse=_cache_folder,
 )
-SETTINGS: tuple[Setting, ...] = (FIXES, CACHE_DIR)
-"""Every setting, in the order listings show them: the fix selection, each
-fix's own settings (from :func:`declare_fixes`), then the cache folder."""
-_BY_NAME = {s.name: s for s in SETTINGS}
-
-
-def declare_fixes(names: tuple[str, ...], fix_settings: tuple[Setting, ...]) -> None:
-    """The fix names ``VLLM_MLA_FIXES`` may select, and the settings the fixes
-    read besides the shared ones.  ``vllm_mla_fixes.fixes`` declares them when
-    it is imported, which importing this package always does first; this
-    module imports no fix (the fixes read settings)."""
-    global _declared_fix_names, SETTINGS, _BY_NAME
-    _declared_fix_names = tuple(names)
-    SETTINGS = (FIXES, *fix_settings, CACHE_DIR)
-    _BY_NAME = {s.name: s for s in SETTINGS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +167,7 @@ class Reading:
     setting: Setting | None  # None: no setting has this name
     value: Any = None  # what is in force; None when invalid or unknown
     problem: str | None = None  # why the value is not allowed
+    known: tuple[str, ...] = ()  # for a name no setting has: the names the package reads
 
     @property
     def valid(self) -> bool:
@@ -192,7 +179,7 @@ class Reading:
         if self.setting is None:
             return (
                 f"{self.name}={value}: not a setting of vllm-mla-fixes, which reads "
-                f"{', '.join(s.name for s in SETTINGS)}"
+                f"{', '.join(self.known)}"
             )
         if self.problem is None:
             return f"{self.name}={value}"
@@ -251,9 +238,10 @@ def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading 
 
 
 def environment_variable(name: str) -> str | None:
-    """A variable of vLLM or another tool (``VLLM_PLUGINS``, ``HF_HOME``,
-    ``XDG_CACHE_HOME``, ...) as this process sees it, None where unset: the
-    package reads the environment only through this module."""
+    """A variable as this process sees it, None where unset, unchecked: one
+    of vLLM or another tool (``VLLM_PLUGINS``, ``HF_HOME``, ...), or a
+    setting's raw text.  The package reads the environment only through
+    this module."""
     return os.environ.get(name)
 
 
@@ -263,16 +251,17 @@ def value(setting: Setting, environ: Mapping[str, str] | None = None) -> Any:
     return None if reading is None else reading.value
 
 
-def readings(environ: Mapping[str, str] | None = None) -> list[Reading]:
-    """Every ``VLLM_MLA_FIXES*`` variable that is set: the settings in table
-    order, then names no setting has (a misspelling, or a variable of the
-    project's test tools)."""
+def readings(known: Sequence[Setting], environ: Mapping[str, str] | None = None) -> list[Reading]:
+    """Every ``VLLM_MLA_FIXES*`` variable that is set: the ``known`` settings
+    in their order, then names none of them has (a misspelling, or a
+    variable of the project's test tools)."""
     env = os.environ if environ is None else environ
-    found = [r for s in SETTINGS if (r := read(s, env)) is not None]
+    names = tuple(s.name for s in known)
+    found = [r for s in known if (r := read(s, env)) is not None]
     found += [
-        Reading(name, env[name], None)
+        Reading(name, env[name], None, known=names)
         for name in sorted(env)
-        if name.startswith(PREFIX) and name not in _BY_NAME and env[name].strip()
+        if name.startswith(PREFIX) and name not in names and env[name].strip()
     ]
     return found
 
@@ -281,9 +270,9 @@ _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def warn_invalid(log: logging.Logger) -> None:
-    """Log one warning for each invalid setting, once per value and process."""
-    for reading in readings():
+def warn_invalid(log: logging.Logger, known: Sequence[Setting]) -> None:
+    """Log one warning for each invalid setting of ``known``, once per value and process."""
+    for reading in readings(known):
         if reading.setting is None or reading.problem is None:
             continue
         with _warned_lock:
@@ -299,10 +288,10 @@ def forget_warnings() -> None:
         _warned.clear()
 
 
-def help_text() -> str:
-    """The settings as ``--help`` shows them."""
+def help_text(known: Sequence[Setting]) -> str:
+    """The ``known`` settings as ``--help`` shows them."""
     lines = ["environment variables (an invalid value is ignored with one warning):"]
-    for s in SETTINGS:
+    for s in known:
         lines.append(f"  {s.name}")
         for text in (s.meaning, f"allowed: {s.allowed}", f"default: {s.default}"):
             lines += textwrap.wrap(

@@ -26,7 +26,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import sys
@@ -43,7 +42,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 import vllm_mla_fixes
-from vllm_mla_fixes import atomic
+from vllm_mla_fixes import atomic, settings
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 CACHE = Path.home() / ".cache" / "vllm-mla-fixes" / "wheels"
@@ -290,7 +289,7 @@ def added_file_time() -> tuple[int, int, int, int, int, int]:
     $SOURCE_DATE_EPOCH where set (reproducible-builds.org), else 1980-01-01,
     never the clock, so the same input gives the same bytes.  Upstream's
     files keep upstream's time stamps."""
-    raw = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    raw = (settings.environment_variable("SOURCE_DATE_EPOCH") or "").strip()
     try:
         epoch = max(int(raw), EARLIEST_ZIP_TIME) if raw else EARLIEST_ZIP_TIME
     except ValueError:

@@ -166,12 +166,13 @@ def test_geometry_choice_reaches_ray_workers(monkeypatch):
     from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
     from vllm_mla_fixes import settings
+    from vllm_mla_fixes.fixes import SETTINGS
 
     monkeypatch.setenv(fix.GEOMETRY_ENV, fix.PER_RATIO)
     monkeypatch.setenv(fix.DRAFTER_SWA_ENV, "64")
     monkeypatch.setenv("VLLM_MLA_FIXES", fix.INFO.name)
     monkeypatch.setenv(settings.CACHE_DIR.name, "/var/cache/vllm-mla-fixes")
-    names = {setting.name for setting in settings.SETTINGS}  # every setting, on every node
+    names = {setting.name for setting in SETTINGS}  # every setting, on every node
     assert names <= get_env_vars_to_copy(exclude_vars=WORKER_SPECIFIC_ENV_VARS)
     driver = get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS)
     assert driver[fix.GEOMETRY_ENV] == fix.PER_RATIO

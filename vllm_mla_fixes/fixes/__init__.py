@@ -33,4 +33,8 @@ SELFTEST_RELEASES = tuple(
 )
 """The releases ``vllm-mla-fixes selftest`` must pass on a GPU runner: those
 of the fixes that have a self-test (none: the command does not exist)."""
-settings.declare_fixes(FIX_NAMES, tuple(s for m in ALL_FIXES for s in m.SETTINGS))
+SELECTION = settings.fix_selection(FIX_NAMES)
+"""``VLLM_MLA_FIXES``: which of these fixes the plugin may apply."""
+SETTINGS = (SELECTION, *(s for fix in ALL_FIXES for s in fix.SETTINGS), settings.CACHE_DIR)
+"""Every setting the package reads, in the order listings show them: the
+fix selection, each fix's own settings, then the cache folder."""

@@ -69,13 +69,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from vllm_mla_fixes import fix, patching
+from vllm_mla_fixes import fix, patching, settings
 from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 
@@ -421,7 +420,7 @@ def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
                 "start-up and leaves vLLM alone if FA4 behaves differently",
             )
         )
-    if os.environ.get(DISK_CACHE_ENV) == "1":
+    if settings.environment_variable(DISK_CACHE_ENV) == "1":
         findings.append(
             F(
                 "info",
@@ -447,7 +446,7 @@ def _avoided_by_the_line(serve: ServeLine | None) -> Finding | None:
     from vllm_mla_fixes.report import Finding as F
 
     name = INFO.name
-    if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
+    if settings.environment_variable("VLLM_BATCH_INVARIANT") == "1":
         return F(
             "ok",
             name,

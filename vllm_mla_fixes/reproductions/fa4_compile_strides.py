@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_mla_fixes import atomic, children
+from vllm_mla_fixes import atomic, children, settings
 
 if TYPE_CHECKING:  # imported at run time by prepare(), after the environment is set
     import torch
@@ -234,7 +234,7 @@ def expose_fa4_package() -> bool:
 
 def prepare() -> types.SimpleNamespace:
     """Import vLLM's FA4 CuTe code and warm-up plan on this CPU machine."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+    if settings.environment_variable("CUDA_VISIBLE_DEVICES") != "":
         raise RuntimeError(
             "run with CUDA_VISIBLE_DEVICES='' so that no kernel launch can reach a GPU"
         )

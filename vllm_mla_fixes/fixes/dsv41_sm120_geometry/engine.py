@@ -13,7 +13,6 @@ drafter's, and the settings vLLM's planner reads when it plans the layouts.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from vllm_mla_fixes import settings
@@ -175,7 +174,7 @@ def kv_connector_name(vllm_config: Any) -> str | None:
         return None
     if (getattr(cache, "kv_offloading_backend", None) or "native") != "native":
         return "LMCacheMPConnector"
-    if os.environ.get(SIMPLE_OFFLOAD_ENV, "").strip().lower() in ("1", "true"):
+    if (settings.environment_variable(SIMPLE_OFFLOAD_ENV) or "").strip().lower() in ("1", "true"):
         return "SimpleCPUOffloadConnector"
     return OFFLOADING_CONNECTOR
 

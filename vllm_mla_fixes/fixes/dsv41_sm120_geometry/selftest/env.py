@@ -23,6 +23,8 @@ import os
 import sys
 from collections.abc import Iterator
 
+from vllm_mla_fixes import settings
+
 REQUIRED_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -37,7 +39,7 @@ def prepare_process_env() -> None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", REQUIRED_ENV["CUDA_VISIBLE_DEVICES"])
     if "vllm.models.deepseek_v41.common.ops" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", REQUIRED_ENV["TRITON_INTERPRET"])
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if settings.environment_variable("TRITON_INTERPRET") == "1":
         skip_discarded_overflow_checks()
 
 
@@ -68,10 +70,8 @@ def skip_discarded_overflow_checks() -> bool:
 def interpreter_problem() -> str | None:
     """Why vLLM's Triton kernels cannot run on CPU in this process, or None."""
     for name, value in REQUIRED_ENV.items():
-        if os.environ.get(name) != value:
-            return (
-                f"{name} must be {value!r} before vLLM is imported (it is {os.environ.get(name)!r})"
-            )
+        if settings.environment_variable(name) != value:
+            return f"{name} must be {value!r} before vLLM is imported (it is {settings.environment_variable(name)!r})"
     from vllm.models.deepseek_v41.common.ops import fused_compress_quant_cache as m
     from vllm.triton_utils import HAS_TRITON
 
@@ -115,7 +115,7 @@ def drafter_pages_at_128() -> Iterator[None]:
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.settings import DSV41_DRAFTER_SWA_ROWS
 
     name = DSV41_DRAFTER_SWA_ROWS.name
-    saved = os.environ.get(name)
+    saved = settings.environment_variable(name)
     if settings.value(DSV41_DRAFTER_SWA_ROWS) is not None:
         yield  # the operator chose the rows: the self-test checks what they serve
         return

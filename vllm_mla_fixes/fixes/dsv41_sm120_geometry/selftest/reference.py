@@ -49,12 +49,13 @@ latents did.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from vllm_mla_fixes import settings
 
 NOPE = 448
 ROPE = 64
@@ -86,7 +87,7 @@ INDEX_RECORD = INDEX_DIM + 4  # 132
 def _interpreter_converter() -> (
     tuple[Callable[[torch.Tensor, object], torch.Tensor], ModuleType] | None
 ):  # (convert, triton.language)
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if settings.environment_variable("TRITON_INTERPRET") != "1":
         return None
     try:
         import numpy as np
