@@ -73,6 +73,21 @@ def fresh_plugin():
     vllm_mla_fixes.revert_all()
 
 
+@pytest.fixture
+def swap_fix(monkeypatch):
+    """Put a record in the plugin in place of the fix of its name, for the
+    test (e.g. a probe that answers for a device this host stands in for)."""
+    import vllm_mla_fixes
+
+    def swap(record):
+        name = record.INFO.name
+        fixes = tuple(record if f.INFO.name == name else f for f in vllm_mla_fixes.ALL_FIXES)
+        monkeypatch.setattr(vllm_mla_fixes, "ALL_FIXES", fixes)
+        monkeypatch.setattr(vllm_mla_fixes, "FIXES_BY_NAME", {f.INFO.name: f for f in fixes})
+
+    return swap
+
+
 def pytest_terminal_summary(terminalreporter):
     """The property suite's size (test_properties.py records each test's
     count of generated inputs; xdist carries it from the workers)."""

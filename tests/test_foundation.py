@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from fix_releases import FP8, covered_by_some_fix, newest
+from fix_releases import FP8, covered_by_some_fix, newest, newest_covered
 
-from vllm_mla_fixes import patching
-from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME, fp8_ds_mla_reshape
-from vllm_mla_fixes.patching import Patch, State, TargetMismatch
+from vllm_mla_fixes import fix, patching, settings
+from vllm_mla_fixes.fix import Fix
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME
+from vllm_mla_fixes.patching import Patch, State, TargetMismatch, installed_vllm_version
 
 RELEASES_WITH_FIXES = (newest(FP8), *covered_by_some_fix(f">{newest(FP8)},<0.34.0"))
 
@@ -165,22 +166,92 @@ def test_covered_releases_pass_their_own_gate():
             assert not module.INFO.admits(module.INFO.fixed_in)
 
 
-@pytest.mark.vllm_release("0.25.1")
+# -- the mechanism on a fix of the tests' own --------------------------------------------
+# It wraps MLAAttentionSpec.__post_init__ (every release has it) and is reviewed
+# for the installed release only, so these tests hold wherever they run.
+
+OWN_TARGET = ("vllm.v1.kv_cache_interface", "MLAAttentionSpec.__post_init__")
+
+
+def _own_fix() -> Fix:
+    """A fix made here, as a record: applied where its screen finds the
+    reviewed code, wrapping its target through ``Patch``."""
+    version = installed_vllm_version() or "0"
+    reviewed = {OWN_TARGET: {patching.definition_fingerprint(*OWN_TARGET): version}}
+
+    def source_screen() -> str | None:
+        patching.require_fingerprint(*OWN_TARGET, reviewed[OWN_TARGET])
+        return None
+
+    def apply(patch: Patch) -> None:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        original = MLAAttentionSpec.__dict__["__post_init__"]
+        patch.replace(MLAAttentionSpec, "__post_init__", lambda self: original(self))
+
+    return Fix(
+        INFO=patching.FixInfo(
+            name="own-fix",
+            summary="the tests' own fix",
+            upstream=("none",),
+            affected=f"=={version}",
+            covered_releases=(version,),
+            fixed_in=None,
+            hardware="any",
+            error="none",
+        ),
+        SETTINGS=(),
+        REVIEWED=reviewed,
+        DOCTOR_JSON_KEY=None,
+        probe=source_screen,
+        apply=apply,
+        source_screen=source_screen,
+        status_in_process=fix.status_as_applied,
+        diagnose=lambda env, serve: [],
+        prepare_verify=fix.no_preparation,
+        verify=lambda report: True,
+        add_commands=fix.no_commands,
+        kernel_disagreements=fix.no_disagreements,
+        status_json=fix.no_status_keys,
+    )
+
+
+@pytest.fixture
+def own_plugin(fresh_plugin, monkeypatch):
+    """The plugin with the tests' own fix as its only fix."""
+    own = _own_fix()
+    selection = settings.fix_selection((own.INFO.name,))
+    package = {
+        "ALL_FIXES": (own,),
+        "FIX_NAMES": (own.INFO.name,),
+        "FIXES_BY_NAME": {own.INFO.name: own},
+        "SELECTION": selection,
+        "SETTINGS": (selection, settings.CACHE_DIR),
+    }
+    for name, value in package.items():
+        monkeypatch.setattr(fresh_plugin, name, value)
+    return fresh_plugin
+
+
+def _own_state(plugin) -> State:
+    (own,) = plugin.status()
+    return own.state
+
+
+@pytest.mark.vllm_release(newest_covered())
 def test_fingerprint_mismatch_skips_with_one_warning_and_leaves_vllm_untouched(
-    fresh_plugin, monkeypatch, plugin_log
+    own_plugin, monkeypatch, plugin_log
 ):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     before = MLAAttentionSpec.__dict__["__post_init__"]
-    # The reviewed signature of the reshape target no longer matches what is installed.
-    monkeypatch.setattr(fp8_ds_mla_reshape, "RESHAPE_PARAMS", ("kv_raw_tensor", "renamed"))
-    fresh_plugin.register()
-    (entry,) = [s for s in fresh_plugin.status() if s.name == "fp8-ds-mla-reshape"]
+    # The reviewed code of the target no longer matches what is installed.
+    monkeypatch.setitem(own_plugin.ALL_FIXES[0].REVIEWED, OWN_TARGET, {"0" * 16: "another"})
+    own_plugin.register()
+    (entry,) = own_plugin.status()
     assert entry.state is State.SKIPPED and "unexpected target" in entry.reason
     warnings = [
-        r
-        for r in plugin_log
-        if r.levelno == logging.WARNING and "fp8-ds-mla-reshape" in r.getMessage()
+        r for r in plugin_log if r.levelno == logging.WARNING and "own-fix" in r.getMessage()
     ]
     assert len(warnings) == 1
     assert MLAAttentionSpec.__dict__["__post_init__"] is before
@@ -197,15 +268,16 @@ def test_fingerprint_of_a_real_definition_read_without_importing_it():
         patching.definition_fingerprint(module, "no_such_function")
 
 
-@pytest.mark.vllm_release("0.25.1")
-def test_register_twice_equals_once(fresh_plugin):
+@pytest.mark.vllm_release(newest_covered())
+def test_register_twice_equals_once(own_plugin):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    fresh_plugin.register()
-    first = fresh_plugin.status()
+    own_plugin.register()
+    first = own_plugin.status()
+    assert _own_state(own_plugin) is State.APPLIED
     hook = MLAAttentionSpec.__dict__["__post_init__"]
-    fresh_plugin.register()
-    assert fresh_plugin.status() == first
+    own_plugin.register()
+    assert own_plugin.status() == first
     assert MLAAttentionSpec.__dict__["__post_init__"] is hook  # not wrapped twice
 
 
@@ -217,13 +289,13 @@ def test_register_twice_equals_once(fresh_plugin):
         ("all", set(FIXES_BY_NAME)),
         (" ALL ", set(FIXES_BY_NAME)),
         ("none", set()),
-        ("fp8-ds-mla-reshape", {"fp8-ds-mla-reshape"}),
+        (FIX_NAMES[0], {FIX_NAMES[0]}),
         (f" {FIX_NAMES[0]} , {FIX_NAMES[-1]},", {FIX_NAMES[0], FIX_NAMES[-1]}),
         # not allowed: treated as unset (None: every fix), one warning at plugin load
-        (" fp8-ds-mla-reshape , bogus", None),
+        (f" {FIX_NAMES[0]} , bogus", None),
         (",", None),
         ("all,bogus", None),
-        ("none,fp8-ds-mla-reshape", None),
+        (f"none,{FIX_NAMES[0]}", None),
     ],
 )
 def test_selection_variable(monkeypatch, value, selected):
@@ -236,33 +308,34 @@ def test_selection_variable(monkeypatch, value, selected):
     assert settings.value(SELECTION) == selected
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(newest_covered())
 @pytest.mark.parametrize(
     "value, state",
-    [("none", State.DISABLED), ("all", State.APPLIED), ("fp8-ds-mla-reshape", State.APPLIED)],
+    [("none", State.DISABLED), ("all", State.APPLIED), ("own-fix", State.APPLIED)],
 )
-def test_selection_variable_drives_register(fresh_plugin, monkeypatch, value, state):
+def test_selection_variable_drives_register(own_plugin, monkeypatch, value, state):
     monkeypatch.setenv("VLLM_MLA_FIXES", value)
-    fresh_plugin.register()
-    assert {s.name: s.state for s in fresh_plugin.status()}["fp8-ds-mla-reshape"] is state
+    own_plugin.register()
+    assert _own_state(own_plugin) is state
 
 
-@pytest.mark.vllm_release("0.25.1")
-def test_loading_the_plugin_again_says_nothing_twice(fresh_plugin, monkeypatch, plugin_log):
+@pytest.mark.vllm_release(newest_covered())
+def test_loading_the_plugin_again_says_nothing_twice(own_plugin, monkeypatch, plugin_log):
     """vLLM may load plugins more than once in a process: each outcome and each
     invalid setting is logged once."""
     monkeypatch.setenv("VLLM_MLA_FIXES_CACHE_DIR", "/etc/passwd/sub")
-    fresh_plugin.register()
-    fresh_plugin.register()
+    monkeypatch.setitem(own_plugin.ALL_FIXES[0].REVIEWED, OWN_TARGET, {"0" * 16: "another"})
+    own_plugin.register()
+    own_plugin.register()
     said = [r.getMessage() for r in plugin_log if r.getMessage().startswith("vllm-mla-fixes: ")]
     assert any("VLLM_MLA_FIXES_CACHE_DIR='/etc/passwd/sub' is not allowed" in m for m in said), said
-    assert any("fa4-compile-strides not applied" in m for m in said), said
+    assert any("own-fix not applied" in m for m in said), said
     assert len(said) == len(set(said)), said
 
 
 @pytest.mark.vllm_release("0.25.1")
 def test_unknown_name_warns_in_plugin_and_fails_in_cli(fresh_plugin, monkeypatch, plugin_log):
-    monkeypatch.setenv("VLLM_MLA_FIXES", "fp8-ds-mla-reshape,no-such-fix")
+    monkeypatch.setenv("VLLM_MLA_FIXES", f"{FIX_NAMES[0]},no-such-fix")
     fresh_plugin.register()  # never raises
     assert any(r.levelno == logging.WARNING and "no-such-fix" in r.getMessage() for r in plugin_log)
     proc = _run_python(

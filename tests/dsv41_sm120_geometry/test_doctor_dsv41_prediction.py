@@ -237,20 +237,18 @@ def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block
 
 
 @pytest.mark.vllm_release("0.34.0")
-def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch):
+def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch, swap_fix):
     """``doctor --json``'s ``dsv41`` for a line and config.json equals the
     ``dsv41`` object ``status --json`` prints in the engine's process on
     that config (here: the engine's layers built in this process, then the
     status command's own JSON)."""
     import contextlib
-    import functools
     import io
 
     import vllm.plugins
 
     import vllm_mla_fixes
     from vllm_mla_fixes import cli
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
 
     model = CHECKPOINTS["12-layers"]
     line = [
@@ -265,7 +263,7 @@ def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch)
     # doctor's object adds its comparison with upstream's best working layout
     doctor_object = prediction.predict(line, {"text_config": model}).engine_report()
     vllm_mla_fixes.revert_all()
-    monkeypatch.setattr(fix, "probe", functools.partial(gate.probe, (12, 0)))
+    swap_fix(fix.for_capability((12, 0)))
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     try:
         with repro.sm120_platform():

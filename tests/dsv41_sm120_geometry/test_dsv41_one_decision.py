@@ -11,7 +11,6 @@ get one decision; ``revert()`` leaves every patched vLLM attribute as it was.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +19,6 @@ import pytest
 from fix_releases import DSV41, covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import gate
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import check_workers_agree
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
@@ -79,12 +77,12 @@ def _start(engine: Engine) -> Outcome:
 
 
 @pytest.fixture
-def plugin_loaded_by_vllm(fresh_plugin, monkeypatch):
+def plugin_loaded_by_vllm(fresh_plugin, monkeypatch, swap_fix):
     """The plugin loaded through vLLM's own general-plugin loader, its probe
     answering for an SM120 device (this CPU host stands in for one)."""
     import vllm.plugins
 
-    monkeypatch.setattr(fix, "probe", functools.partial(gate.probe, (12, 0)))
+    swap_fix(fix.for_capability((12, 0)))
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()
     states = {s.name: s.state.value for s in fresh_plugin.status()}

@@ -826,10 +826,10 @@ def test_unreviewed_split_target_keeps_the_fix_with_the_fallback_geometry(monkey
         assert "geometry per-ratio" in status_detail()
 
 
-def test_status_says_which_geometry_is_in_force(fresh_plugin, monkeypatch):
+def test_status_says_which_geometry_is_in_force(fresh_plugin, swap_fix):
     """``status`` after a model's specs were built in this process names the
     geometry and the reason; before, it states the rule."""
-    monkeypatch.setattr(fix, "probe", lambda: None)  # this CPU host stands in for SM120
+    swap_fix(dataclasses.replace(fix.FIX, probe=lambda: None))  # this CPU host stands in for SM120
     fresh_plugin.register()
     try:
         entry = {s.name: s for s in fresh_plugin.status()}[fix.INFO.name]

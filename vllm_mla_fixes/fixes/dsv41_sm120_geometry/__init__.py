@@ -129,10 +129,11 @@ if TYPE_CHECKING:
 # the commands, doctor and reproductions only where a command runs them.
 
 
-def apply(patch: Patch) -> None:
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import apply as wrappers
+def install_wrappers(patch: Patch) -> None:
+    """``apply`` (named apart from the ``apply`` module it calls)."""
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.apply import apply
 
-    wrappers.apply(patch)
+    apply(patch)
 
 
 def status_in_process(applied: FixStatus) -> FixStatus:
@@ -183,7 +184,7 @@ FIX = Fix(
     REVIEWED=REVIEWED,
     DOCTOR_JSON_KEY=DOCTOR_JSON_KEY,
     probe=probe,
-    apply=apply,
+    apply=install_wrappers,
     source_screen=source_screen,
     status_in_process=status_in_process,
     diagnose=diagnose,
