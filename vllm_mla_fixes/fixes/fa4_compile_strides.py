@@ -114,6 +114,8 @@ REVIEWED: dict[tuple[str, str], dict[str, str]] = {
     (INTERFACE_MODULE, SPEC_CLASS): {"9350765e16c193c4": "0.25.0, 0.25.1"},
     (CACHE_MODULE, "JITPersistentCache"): {"de562e9f4962635a": "0.25.0, 0.25.1"},
     (CACHE_MODULE, "JITCache"): {"2f223a2f24bddb51": "0.25.0, 0.25.1"},
+    # the forward whose compile cache apply() replaces
+    (INTERFACE_MODULE, "_flash_attn_fwd"): {"4d6380cacbdc7e67": "0.25.0, 0.25.1"},
 }
 
 

@@ -93,6 +93,14 @@ REVIEWED: dict[tuple[str, str], dict[str, str]] = {
         "26096f415bb6708b": "0.32.0, 0.33.0",
         "b7aad7fe8a2aaf0c": "0.34.0",
     },
+    # vLLM's own rules the decision reads (engine.py, model_specs.py): the KV
+    # record a cache dtype resolves to, MXFP8 or not, the indexer's row size.
+    (ATTENTION_MODULE, "_resolve_dsv4_kv_cache_dtype"): {
+        "8dd32655a8010973": "0.32.0",
+        "d45d98418437f37a": "0.33.0, 0.34.0",
+    },
+    (ATTENTION_MODULE, "_use_v41_mxfp8_kv_record"): {"0c71e8d12e7d9f11": "0.32.0, 0.33.0, 0.34.0"},
+    (ATTENTION_MODULE, "_indexer_k_cache_head_dim"): {"1faf065e1542d687": "0.32.0, 0.33.0, 0.34.0"},
 }
 
 
