@@ -18,11 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import FP8, first_covered_after, newest
+from fix_releases import first_covered_after, newest_of_earliest_fix
 
 ROOT = Path(__file__).resolve().parent.parent
 STATES = {"applied", "not-needed", "disabled", "skipped"}
-pytestmark = pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)))
+pytestmark = pytest.mark.vllm_release(
+    newest_of_earliest_fix(), *first_covered_after(newest_of_earliest_fix())
+)
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 from doctor_runs import serve_of
-from fix_releases import FA4, newest
+from fix_releases import covered_by
 from json_schemas import schema_problems
 
 from vllm_mla_fixes.doctor import EXIT_STATUS, LOCAL_MODEL_PLACEHOLDER
@@ -465,7 +465,7 @@ def test_capacity_check_catches_one_figure_with_two_values():
 
 
 # the warm-up flag's releases: vLLM's own parser reads the line (older ones reject the key)
-@pytest.mark.vllm_release(newest(FA4))
+@pytest.mark.vllm_release(*covered_by("fa4-compile-strides")[-1:])
 def test_workaround_check_catches_a_flag_recommended_again():
     line = [*MLA, *WARMUP_OFF]
     findings = [

@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 
 from vllm_mla_fixes import doctor, settings
 from vllm_mla_fixes.fixes import ALL_FIXES
 
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GLM = ROOT / "vllm_mla_fixes" / "models" / "tiny_glm_moe_dsa"  # 16 attention heads
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 from doctor_runs import serve_of
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 # the fp8 fix's newest session and the newest covered one (the two parsers the issue tried)
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 
 MODEL = str(
     Path(__file__).resolve().parent.parent / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from doctor_runs import DSV41_LINE, run_doctor, serve_of
-from fix_releases import FP8, first_covered_after, newest, newest_covered
+from fix_releases import first_covered_after, newest_covered, newest_of_earliest_fix
 
 from vllm_mla_fixes import doctor
 from vllm_mla_fixes.report import Environment, Finding
@@ -116,7 +116,9 @@ VLLM_REJECTS = [
 ]
 
 
-@pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)), newest_covered())
+@pytest.mark.vllm_release(
+    newest_of_earliest_fix(), *first_covered_after(newest_of_earliest_fix()), newest_covered()
+)
 @pytest.mark.parametrize(
     "flags, says", VLLM_REJECTS, ids=[f"{' '.join(c[0])}: {c[1]}" for c in VLLM_REJECTS]
 )
@@ -130,7 +132,9 @@ def test_vllm_rejects_the_line_in_its_own_words(flags, says):
     assert "SystemExit" not in finding.message
 
 
-@pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)), newest_covered())
+@pytest.mark.vllm_release(
+    newest_of_earliest_fix(), *first_covered_after(newest_of_earliest_fix()), newest_covered()
+)
 def test_vllm_accepts_a_good_line():
     from importlib.metadata import version
 

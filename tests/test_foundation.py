@@ -9,14 +9,17 @@ import subprocess
 import sys
 
 import pytest
-from fix_releases import FP8, covered_by_some_fix, newest, newest_covered
+from fix_releases import covered_by_some_fix, newest_covered, newest_of_earliest_fix
 
 from vllm_mla_fixes import fix, patching, settings
 from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME
 from vllm_mla_fixes.patching import Patch, State, TargetMismatch, installed_vllm_version
 
-RELEASES_WITH_FIXES = (newest(FP8), *covered_by_some_fix(f">{newest(FP8)},<0.34.0"))
+RELEASES_WITH_FIXES = (
+    newest_of_earliest_fix(),
+    *covered_by_some_fix(f">{newest_of_earliest_fix()},<0.34.0"),
+)
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -70,7 +73,7 @@ def test_vllm_plugin_loader_runs_register(vllm_plugins, runs):
         ), labels
 
 
-@pytest.mark.vllm_release(newest(FP8), "0.33.0")
+@pytest.mark.vllm_release(newest_of_earliest_fix(), "0.33.0")
 def test_replace_function_rebinds_imported_names_and_reverts():
     from vllm.v1 import kv_cache_interface
     from vllm.v1.attention import backend  # imports get_kv_quant_mode by name

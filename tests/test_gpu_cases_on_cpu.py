@@ -27,7 +27,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from fix_releases import FP8, covered
+from fix_releases import covered_by
 from gpu_case_helpers import GPU_TESTS, assert_built, cpu_env, read_serve_lines
 
 TESTS = Path(__file__).resolve().parent
@@ -361,7 +361,7 @@ def serve_lines():
     return read_serve_lines()
 
 
-@pytest.mark.vllm_release(*covered(FP8))
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape"))
 def test_fp8_and_fa4_gpu_lines_parse_and_build_with_the_releases_own_parser(serve_lines):
     serve, bench, llm = serve_lines["serve"], serve_lines["bench"], serve_lines["llm"]
     for name in ("fp8 (cuda graphs)", "fp8 --enforce-eager"):

@@ -17,13 +17,13 @@ import argparse
 import math
 
 import pytest
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_mla_fixes import arguments, cli
 
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 
 # What a command needs besides the option for its line to parse.
 REQUIRED = {"smoke": ["http://127.0.0.1:9"], "build-wheel": ["--vllm-wheel", "vllm.whl"]}

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 from bad_input_runs import assert_one_error, cli
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 
 from vllm_mla_fixes import arguments, atomic
 
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 
 
 def _fifo(path: Path) -> None:

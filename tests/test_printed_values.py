@@ -16,18 +16,20 @@ import os
 import shlex
 import subprocess
 from importlib.metadata import version
+from pathlib import Path
 from unittest import mock
 
 import pytest
-from fix_releases import DSV41, FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import vllm_mla_fixes
 from vllm_mla_fixes import settings as plugin_settings
 from vllm_mla_fixes.fixes import FIXES_BY_NAME, SELECTION
 from vllm_mla_fixes.report import PLUGIN, Finding, plugins_advice, shell_word, spaced_note
 
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 
 # Names as an operator may write them: plugin-like words, shell's special
 # characters, spaces, control characters, bytes that are not UTF-8 (as
@@ -146,18 +148,21 @@ def judged_line():
     from doctor_runs import DSV41_LINE
 
     from vllm_mla_fixes import doctor
-    from vllm_mla_fixes.reproductions.fp8_ds_mla import TINY_GLM_DSA
+    from vllm_mla_fixes.fixes import ALL_FIXES
 
-    fix = FP8.name if version("vllm") == newest(FP8) else DSV41.name
-    line = {
-        FP8.name: ["vllm", "serve", str(TINY_GLM_DSA.parent), "--kv-cache-dtype", "fp8"]
+    tiny_glm_dsa = Path(vllm_mla_fixes.__file__).parent / "models" / "tiny_glm_moe_dsa"
+    lines = {  # a line that meets the fix's failure, for each fix that has one here
+        "fp8-ds-mla-reshape": ["vllm", "serve", str(tiny_glm_dsa), "--kv-cache-dtype", "fp8"]
         + ["--attention-backend", "FLASHMLA_SPARSE", "--block-size", "64"],
         # 128-token blocks: upstream's layout does not start on SM12x, the fix's does
-        DSV41.name: [*DSV41_LINE[:-1], "128"],
-    }[fix]
+        "dsv41-sm120-geometry": [*DSV41_LINE[:-1], "128"],
+    }
+    covering = [f.INFO.name for f in ALL_FIXES if version("vllm") in f.INFO.covered_releases]
+    fix = next((name for name in covering if name in lines), None)
+    if fix is None:
+        pytest.skip(f"no line here meets the failure of a fix vLLM {version('vllm')} needs")
+    line = lines[fix]
     import vllm.plugins
-
-    import vllm_mla_fixes
 
     plain = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_MLA_FIXES")}
     # as in a fresh process: vLLM's loader runs once per process, and a test

@@ -40,7 +40,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from json_schemas import schema_problems
@@ -57,7 +57,7 @@ FULL_EXAMPLES = {"argv": 120, "settings": 20, "cache_dir": 30, "config": 25, "se
 # Every session runs the suite; the sessions of the 0.25 fixes and of the
 # newest release a fix covers run it in full, the others a quarter of it (the
 # contract is this package's; a release changes which fixes it meets).
-FULL_ON = (newest(FP8), newest_covered())
+FULL_ON = (newest_of_earliest_fix(), newest_covered())
 SHARE = 1 if version("vllm") in FULL_ON else 4
 EXAMPLES = {kind: max(5, count // SHARE) for kind, count in FULL_EXAMPLES.items()}
 PROPERTY = settings(

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import FP8, first_covered_after, newest, newest_covered
+from fix_releases import first_covered_after, newest_covered, newest_of_earliest_fix
 from screen_cache_folder import fresh_screen_cache
 
 from vllm_mla_fixes import patching, screen_cache
@@ -49,7 +49,7 @@ def test_a_screen_reads_only_the_modules_its_key_covers(fix, cache, monkeypatch)
     assert set(read) <= covered, sorted(set(read) - covered)
 
 
-@pytest.mark.vllm_release(newest(FP8), *first_covered_after(newest(FP8)))
+@pytest.mark.vllm_release(newest_of_earliest_fix(), *first_covered_after(newest_of_earliest_fix()))
 @pytest.mark.parametrize("fix", ALL_FIXES, ids=[f.INFO.name for f in ALL_FIXES])
 def test_cached_verdict_is_the_screened_one_and_parses_nothing(fix, cache):
     calls = []
@@ -180,7 +180,7 @@ UNUSABLE_CACHE_DIRS = {
 }
 
 
-@pytest.mark.vllm_release(newest(FP8), newest_covered())
+@pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 @pytest.mark.parametrize("case", UNUSABLE_CACHE_DIRS, ids=str)
 def test_an_unusable_cache_folder_warns_once_and_turns_no_fix_off(
     case, fresh_plugin, plugin_log, monkeypatch, tmp_path

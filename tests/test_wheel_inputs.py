@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 from cli_runs import cli
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 
 from vllm_mla_fixes import atomic, wheel
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.vllm_release(newest(FP8), newest_covered())
+pytestmark = pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 UPSTREAM = "vllm-0.25.1-py3-none-any.whl"
 INFO = "vllm-0.25.1.dist-info/"
 METADATA = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n\nvLLM\n"

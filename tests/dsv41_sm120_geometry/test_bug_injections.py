@@ -22,11 +22,12 @@ from types import FunctionType
 from typing import Any
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 from injections import Catcher, injections
 from test_dsv41_one_decision import attribute_owners
 
 import vllm_mla_fixes
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 # CI runs the table on the newest covered release (the noxfile sets this

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 from doctor_runs import accepted_by_vllm, findings_of, run_doctor
-from fix_releases import DSV41, covered, newest, oldest
+from fix_releases import covered, newest, oldest
+
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 
 ROOT = Path(__file__).resolve().parents[2]
 

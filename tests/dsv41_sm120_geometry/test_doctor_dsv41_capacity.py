@@ -23,11 +23,12 @@ import re
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
@@ -24,6 +24,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import engine, prediction, upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.doctor import SPLIT_ERROR_0_34
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_report
 

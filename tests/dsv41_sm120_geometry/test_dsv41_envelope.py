@@ -32,8 +32,9 @@ import pytest
 import torch
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope as env
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
 
-DSV41 = fix_releases.covered(fix_releases.DSV41)
+DSV41 = fix_releases.covered(DSV41_INFO)
 pytestmark = pytest.mark.vllm_release(*DSV41)
 
 

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
@@ -35,6 +35,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, engine_config
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_report
 

@@ -17,7 +17,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
+
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 

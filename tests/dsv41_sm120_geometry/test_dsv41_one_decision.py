@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import check_workers_agree
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_reports
 

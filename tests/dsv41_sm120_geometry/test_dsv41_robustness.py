@@ -21,10 +21,11 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import check_workers_agree, specs_geometry
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))

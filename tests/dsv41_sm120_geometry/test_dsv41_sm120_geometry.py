@@ -19,7 +19,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
@@ -32,6 +32,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     flashinfer_takes_runtime_swa_pages,
 )
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import SIMPLE_OFFLOAD_ENV
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.slots import kernel_slots
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import status_detail

@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered, newest
+from fix_releases import covered, newest
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table

@@ -22,8 +22,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 from gpu_case_helpers import GPU_TESTS, assert_built, cpu_env, read_serve_lines
+
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 
 ROOT = Path(__file__).resolve().parents[2]
 

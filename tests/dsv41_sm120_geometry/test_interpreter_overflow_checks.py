@@ -17,8 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fix_releases import DSV41, covered
+from fix_releases import covered
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import skip_discarded_overflow_checks
 
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))

@@ -4,10 +4,11 @@ cache tests are in ``tests/test_screen_cache.py``)."""
 from __future__ import annotations
 
 import pytest
-from fix_releases import DSV41, covered
+from fix_releases import covered
 from screen_cache_folder import fresh_screen_cache
 
 from vllm_mla_fixes import patching
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 
 
 @pytest.fixture

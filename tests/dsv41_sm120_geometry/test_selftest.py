@@ -38,10 +38,11 @@ from pathlib import Path
 import fix_releases
 import pytest
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import CASES
 
-DSV41 = fix_releases.covered(fix_releases.DSV41)
+DSV41 = fix_releases.covered(DSV41_INFO)
 TIMEOUT_S = 1800
 REGRESSED_FIX = """\
 # The fix as a regression would leave it: the ratio-1 writers keep manager-block slots.

@@ -22,9 +22,10 @@ import fix_releases
 import pytest
 import torch
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import bounds
 
-DSV41 = fix_releases.covered(fix_releases.DSV41)
+DSV41 = fix_releases.covered(DSV41_INFO)
 
 # ------------------------------------------------------------------ bounds
 

@@ -17,11 +17,12 @@ import fix_releases
 import pytest
 import torch
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.layout import GEOMETRIES
 
-DSV41 = fix_releases.covered(fix_releases.DSV41)
+DSV41 = fix_releases.covered(DSV41_INFO)
 CPU = kn.Device("cpu", torch.device("cpu"), "CPU")
 
 

@@ -27,12 +27,13 @@ import fix_releases
 import pytest
 import torch
 
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import harness, plan_geometries
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest import kernels as kn
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.timeline import CASES
 
 ROOT = Path(__file__).resolve().parents[2]
-DSV41 = fix_releases.covered(fix_releases.DSV41)
+DSV41 = fix_releases.covered(DSV41_INFO)
 # The faulted run takes about 4 minutes of CPU: on the newest release only (the
 # isolation is the plugin's code, the same on every release).
 ISOLATED_RUN_ON = "0.34.0"
@@ -286,7 +287,7 @@ def test_the_control_is_left_out_where_the_fix_lays_out_no_split():
     assert names == ("split", "fallback", "control", "upstream")
 
 
-@pytest.mark.vllm_release(fix_releases.newest(fix_releases.DSV41))
+@pytest.mark.vllm_release(fix_releases.newest(DSV41_INFO))
 @pytest.mark.parametrize("control_caught", [True, False])
 def test_the_summary_claims_only_the_dspark_check_that_ran(control_caught):
     """``--geometry dspark-long-prefill`` alone: the verdict line speaks of

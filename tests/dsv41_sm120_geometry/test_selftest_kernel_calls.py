@@ -43,7 +43,9 @@ import kernel_calls as kc
 import pytest
 import torch
 
-DSV41 = fix_releases.covered(fix_releases.DSV41)
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
+
+DSV41 = fix_releases.covered(DSV41_INFO)
 # The fix's target, SM12x, on every covered release; SM100 and SM90, where the
 # self-test runs vLLM's other backends and no layout changes, on the newest only
 # (about 130 s of CPU per release saved).

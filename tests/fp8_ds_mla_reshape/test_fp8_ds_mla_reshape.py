@@ -12,13 +12,13 @@ import pickle
 
 import pytest
 import torch
-from fix_releases import FP8, covered
+from fix_releases import covered
 
 from vllm_mla_fixes.fixes import fp8_ds_mla_reshape
 from vllm_mla_fixes.patching import State
 from vllm_mla_fixes.reproductions import fp8_ds_mla as repro
 
-AFFECTED = covered(FP8)
+AFFECTED = covered(fp8_ds_mla_reshape.INFO)
 NOT_AFFECTED = {"0.24.0": "before the bug", "0.26.0": "fixed upstream"}
 RUNNERS = ("v1", "v2")
 

@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import FA4, covered, first_covered_after
+from fix_releases import covered, first_covered_after
 
 from vllm_mla_fixes.fixes import fa4_compile_strides as fix
 from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
 
-AFFECTED = covered(FA4)
+AFFECTED = covered(fix.INFO)
 FULL = os.environ.get("VLLM_MLA_FIXES_FA4_FULL") == "1"
 needs_full = pytest.mark.skipif(
     not FULL, reason="set VLLM_MLA_FIXES_FA4_FULL=1 (compiles 16+ kernels)"
@@ -113,7 +113,9 @@ def test_gate_not_needed_on_0_24_0(tmp_path):
     assert "no compile-only tensor specs" in gate["functional_probe"]["reason"]
 
 
-@pytest.mark.vllm_release(FA4.fixed_in, *first_covered_after(FA4.fixed_in))  # and a later one
+@pytest.mark.vllm_release(
+    fix.INFO.fixed_in, *first_covered_after(fix.INFO.fixed_in)
+)  # and a later one
 def test_gate_not_needed_on_fixed_releases(tmp_path):
     gate = run_harness(tmp_path, "--gate", timeout=600)
     assert gate["status"] == "not-needed"
