@@ -81,3 +81,11 @@ def fix_test_folder(info: FixInfo) -> Path:
     """``tests/<fix>/``: the tests of the fix alone, named as its module
     (``fp8-ds-mla-reshape`` -> ``fp8_ds_mla_reshape``); they go when it goes."""
     return TESTS / info.name.replace("-", "_")
+
+
+def fixed_in_by(name: str) -> tuple[str, ...]:
+    """The release upstream fixed the bug of the fix named ``name`` in; none
+    where it is not fixed upstream, or no fix in ``ALL_FIXES`` has that name."""
+    return tuple(
+        fix.INFO.fixed_in for fix in ALL_FIXES if fix.INFO.name == name and fix.INFO.fixed_in
+    )

@@ -4,6 +4,7 @@ tests' serve lines as the installed release parses and builds them."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ def assert_built(seen: dict) -> None:
     assert "engine_config_error" not in seen, seen["engine_config_error"]
 
 
+@functools.cache  # one run per worker: the fixes' folders and tests/ both read it
 def read_serve_lines() -> dict:
     """``gpu/serve_lines.py``'s result: each GPU test's serve, bench and LLM
     line as the installed release's own parser reads it."""

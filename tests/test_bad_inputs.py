@@ -32,7 +32,7 @@ from bad_input_runs import Case, assert_one_error, case, cli, operator_env
 
 import vllm_mla_fixes
 from vllm_mla_fixes import wheel
-from vllm_mla_fixes.fixes import ALL_FIXES
+from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES
 
 pytestmark = pytest.mark.vllm_release("0.25.1")
 STUB = Path(__file__).resolve().parent / "servers" / "openai_stub.py"
@@ -285,7 +285,7 @@ SHARED_STATUS_RUNS = {
     "human-1": {"VLLM_MLA_FIXES": "all,bogus"},
     "json-1": {"VLLM_MLA_FIXES": ",", CACHE_DIR: "relative/screens"},
     "human-2": {
-        "VLLM_MLA_FIXES": "none,fp8-ds-mla-reshape",
+        "VLLM_MLA_FIXES": f"none,{FIX_NAMES[0]}",
         CACHE_DIR: "/etc/passwd/sub",  # issue 35: shown as valid before, and never written
     },
     "json-plugins": {"VLLM_PLUGINS": "someother"},

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from fix_releases import first_covered_after, newest_of_earliest_fix
 
+from vllm_mla_fixes.fixes import ALL_FIXES
+
 ROOT = Path(__file__).resolve().parent.parent
 STATES = {"applied", "not-needed", "disabled", "skipped"}
 pytestmark = pytest.mark.vllm_release(
@@ -129,11 +131,11 @@ def test_status_json_stdout_is_exactly_the_document(user_env, request, logging_s
     for fix in report["fixes"]:
         assert fix["state"] in STATES and fix["reason"] and fix["reason"] not in fix["state"]
     states = {f["name"]: f["state"] for f in report["fixes"]}
-    if request.config.vllm_release == "0.25.1":
-        assert states["fp8-ds-mla-reshape"] == "applied"
-        assert "vllm-mla-fixes: applied fp8-ds-mla-reshape" in proc.stderr  # the log went to stderr
-    else:
-        assert states["fp8-ds-mla-reshape"] == "not-needed"
+    for fix in ALL_FIXES:
+        if states[fix.INFO.name] == "applied":  # its log line went to stderr
+            assert f"vllm-mla-fixes: applied {fix.INFO.name}" in proc.stderr
+        if request.config.vllm_release not in fix.INFO.covered_releases:
+            assert states[fix.INFO.name] == "not-needed", fix.INFO.name
 
 
 def test_status_json_of_disabled_fixes(user_env):

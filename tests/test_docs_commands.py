@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from vllm_mla_fixes.doctor import EXIT_STATUS, READY, READY_WITH_WARNINGS
+from vllm_mla_fixes.fixes import FIX_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = sorted(
@@ -284,7 +285,7 @@ def test_the_readme_links_no_anchor_of_its_own():
 def test_the_first_screen_of_the_readme():
     """What a newcomer needs is within the README's first 60 lines."""
     first = "\n".join((ROOT / "README.md").read_text().splitlines()[:60])
-    for fix in ("fp8-ds-mla-reshape", "fa4-compile-strides", "dsv41-sm120-geometry"):
+    for fix in FIX_NAMES:
         assert fix in first
     assert "No fix has been run on a GPU by this project" in first  # the hardware caveat
     # install from a checkout or a git URL: there is nothing on PyPI, no public repository

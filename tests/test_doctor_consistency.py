@@ -486,7 +486,7 @@ def test_workaround_check_catches_a_flag_recommended_again():
 GPUS = {"B200": ("NVIDIA B200", (10, 0)), "H200": ("NVIDIA H200", (9, 0))}
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 @pytest.mark.parametrize("gpu", sorted(GPUS))
 @pytest.mark.parametrize("state", ["applied", "disabled", "skipped"])
 def test_gpu_wording_where_a_gpu_is_visible(gpu, state):
@@ -548,7 +548,7 @@ def test_offline_advice_runs_on_a_local_folder(reports, tmp_path):
     assert "cannot check the model's config" not in done.stdout
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 def test_enable_all_advice_applies_the_fixes(reports):
     """VLLM_MLA_FIXES=none: the advice doctor prints for a disabled fix, run as printed."""
     report = reports["0.25.1 GLM fp8, fixes off"]

@@ -22,8 +22,6 @@ from vllm_mla_fixes import patching, review
 from vllm_mla_fixes.fixes import (
     ALL_FIXES,
     COVERED_RELEASES,
-    fa4_compile_strides,
-    fp8_ds_mla_reshape,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,13 +59,17 @@ def test_every_fix_offers_the_review_its_registry_and_source_screen(fix):
             )
 
 
-def test_gate_rule_and_scope():
-    assert review.gate(fp8_ds_mla_reshape, "0.25.1") == ("admitted: the probe decides", True)
-    assert review.gate(fp8_ds_mla_reshape, "0.34.0") == (
-        "not-needed: fixed upstream in vLLM 0.26.0",
-        False,
-    )
-    assert review.gate(fa4_compile_strides, "0.24.0")[1] is True  # in its range: the probe decides
+@pytest.mark.parametrize("fix", ALL_FIXES, ids=lambda m: m.INFO.name)
+def test_gate_rule_and_scope(fix):
+    """A covered release is admitted and in scope; the release upstream fixed it
+    in is out of scope: listed, not counted."""
+    info = fix.INFO
+    assert review.gate(fix, info.covered_releases[-1]) == ("admitted: the probe decides", True)
+    if info.fixed_in is not None:
+        assert review.gate(fix, info.fixed_in) == (
+            f"not-needed: fixed upstream in vLLM {info.fixed_in}",
+            False,
+        )
 
 
 @on_033

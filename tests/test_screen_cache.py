@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fix_releases import first_covered_after, newest_covered, newest_of_earliest_fix
+from fix_releases import covered_by, first_covered_after, newest_covered, newest_of_earliest_fix
 from screen_cache_folder import fresh_screen_cache
 
 from vllm_mla_fixes import patching, screen_cache
@@ -71,7 +71,7 @@ def test_cached_verdict_is_the_screened_one_and_parses_nothing(fix, cache):
     assert len(calls) == 1 and patching.vllm_source.cache_info().misses == 0
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
     from vllm_mla_fixes.fixes import fp8_ds_mla_reshape as fp8
 
@@ -96,7 +96,7 @@ def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 def test_unusable_cache_falls_back_to_screening(cache, monkeypatch):
     from vllm_mla_fixes.fixes import fp8_ds_mla_reshape as fp8
 
@@ -110,7 +110,7 @@ def test_unusable_cache_falls_back_to_screening(cache, monkeypatch):
     assert screen_cache.cached_screen(fp8.FIX, fp8.source_screen) is None
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 def test_every_vllm_process_after_the_first_parses_nothing(tmp_path):
     """Two fresh processes, as vLLM starts them: same fix states, and the second
     reads no vLLM source through the parser."""
@@ -210,7 +210,7 @@ def _without_dac_override():
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 def test_a_cache_folder_the_user_may_not_look_into_is_flagged_and_fixes_apply(tmp_path):
     """PermissionError from stat(): status --json in a process of a user who
     may not search the parent folder."""
@@ -243,7 +243,7 @@ def test_a_cache_folder_the_user_may_not_look_into_is_flagged_and_fixes_apply(tm
     assert len(warnings) == 1 and "Permission denied" in warnings[0], proc.stderr[-2000:]
 
 
-@pytest.mark.vllm_release("0.25.1")
+@pytest.mark.vllm_release(*covered_by("fp8-ds-mla-reshape")[-1:])
 def test_a_configured_cache_that_cannot_be_written_warns_once(
     fresh_plugin, plugin_log, monkeypatch, tmp_path
 ):

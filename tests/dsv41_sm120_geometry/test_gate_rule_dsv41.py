@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import State
 
 
@@ -26,8 +27,8 @@ def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypat
         logger.removeHandler(handler)
     status = {s.name: s for s in fresh_plugin.status()}
     assert status["dsv41-sm120-geometry"].state is State.SKIPPED
-    assert status["fp8-ds-mla-reshape"].state is State.NOT_NEEDED
-    assert status["fa4-compile-strides"].state is State.NOT_NEEDED
+    for fixed_upstream in (f.INFO.name for f in ALL_FIXES if f.INFO.fixed_in is not None):
+        assert status[fixed_upstream].state is State.NOT_NEEDED
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "dsv41-sm120-geometry" in warnings[0] and "not reviewed" in warnings[0]

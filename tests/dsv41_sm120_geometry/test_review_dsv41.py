@@ -9,7 +9,7 @@ import pytest
 from review_runs import run_cli
 
 from vllm_mla_fixes import patching, review, wheel
-from vllm_mla_fixes.fixes import dsv41_sm120_geometry
+from vllm_mla_fixes.fixes import ALL_FIXES, dsv41_sm120_geometry
 
 on_033 = pytest.mark.vllm_release("0.33.0")
 
@@ -116,7 +116,7 @@ def test_033_to_034_reports_the_three_dsv41_changes_with_diffs(review_033_to_034
     for name in CHANGED_IN_034:
         assert f"  - dsv41-sm120-geometry: {name} changed\n" in summary
     # fixed upstream in 0.26.0: listed, not counted, no diffs fetched for them
-    for name in ("fp8-ds-mla-reshape", "fa4-compile-strides"):
+    for name in (f.INFO.name for f in ALL_FIXES if f.INFO.fixed_in == "0.26.0"):
         section = fix_section(out, name)
         assert (
             "not-needed: fixed upstream in vLLM 0.26.0  [out of scope: listed, not counted]"

@@ -42,11 +42,7 @@ def _serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
     lines = {}
     if release.startswith("0.25."):
         from gpu import test_fa4_compile_strides_gpu as fa4
-        from gpu import test_fp8_ds_mla_reshape_gpu as fp8
 
-        glm = fp8.TINY_GLM_DSA.parent
-        lines["fp8 (cuda graphs)"] = (glm, fp8.FLAGS)
-        lines["fp8 --enforce-eager"] = (glm, [*fp8.FLAGS, "--enforce-eager"])
         lines["fa4 bench serve"] = (fa4.MODEL, fa4.SERVE_ARGS)
         lines["fa4 report's line"] = (fa4.MODEL, fa4.REPORT_SERVE_ARGS)
     return lines | _fix_folder_serve_lines(release)

@@ -9,10 +9,12 @@ vLLM 0.25.x install; skips with the reason elsewhere.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-
 from gpu.serving import keep_log, require_gpu, require_vllm, results_dir, serve
+
+from vllm_mla_fixes.fixes import fp8_ds_mla_reshape
 from vllm_mla_fixes.reproductions.fp8_ds_mla import TINY_GLM_DSA
 
 FLAGS = [
@@ -37,6 +39,17 @@ UPSTREAM_ERROR = "is invalid for input of size"
 # the profiling line ("... CUDA graph memory ...") comes before capture and proves nothing.
 CAPTURE_FINISHED = "Graph capturing finished in"
 PROMPTS = [[11 + i, 23, 57, 101, 300 + i, 7] for i in range(4)]
+
+
+def serve_lines(release: str) -> dict[str, tuple[Path, list[str]]]:
+    """This test's serve lines on ``release`` (``tests/gpu/serve_lines.py`` builds
+    them on a CPU): name -> (model, serve arguments after the model)."""
+    if release not in fp8_ds_mla_reshape.INFO.covered_releases:
+        return {}
+    return {
+        "fp8 (cuda graphs)": (TINY_GLM_DSA.parent, FLAGS),
+        "fp8 --enforce-eager": (TINY_GLM_DSA.parent, [*FLAGS, "--enforce-eager"]),
+    }
 
 
 @pytest.fixture(scope="module")
