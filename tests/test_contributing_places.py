@@ -25,6 +25,8 @@ EVERY_FIX = frozenset(
 )
 FIX_ITSELF = {
     # the fix's record: its INFO, settings, gate, review and screen, read from its module
+    "tests/test_build_wheel.py::test_patched_wheel_installs_and_applies_the_025_fixes",
+    "tests/test_cli_contract.py::test_status_json_stdout_is_exactly_the_document",
     "tests/test_doctor_inputs.py::test_an_unreadable_config_will_fail_and_json_says_so",
     "tests/test_foundation.py::test_release_gate_decisions",
     "tests/test_foundation.py::test_covered_releases_pass_their_own_gate",
@@ -35,6 +37,7 @@ FIX_ITSELF = {
     "tests/test_printed_values.py::test_the_remedy_doctor_prints_gets_the_fix_applied",
     "tests/test_properties.py::test_no_setting_turns_a_fix_off_and_each_invalid_one_warns_once",
     "tests/test_release.py::test_plugin_from_a_package_index_lists_all_three_fixes",
+    "tests/test_review.py::test_gate_rule_and_scope",
     "tests/test_screen_cache.py::test_a_screen_reads_only_the_modules_its_key_covers",
     "tests/test_screen_cache.py::test_cached_verdict_is_the_screened_one_and_parses_nothing",
 }
