@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fix_releases import FP8, newest, newest_covered
+from fix_releases import newest_covered, newest_of_earliest_fix
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_mla_fixes"
 TOP = PACKAGE.name
@@ -154,7 +154,7 @@ LOAD_AS_VLLM_DOES = (
 )
 
 
-@pytest.mark.vllm_release(newest(FP8), newest_covered())
+@pytest.mark.vllm_release(newest_of_earliest_fix(), newest_covered())
 def test_a_vllm_process_loads_no_command_module(tmp_path):
     """A fresh process loads the plugins through vLLM's own loader, as every
     process ``vllm serve`` starts does (a fix applied where the release
