@@ -23,18 +23,22 @@ import textwrap
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 PREFIX = "VLLM_MLA_FIXES"
 
+# What a setting's value is once parsed.  Covariant: a setting read only gives
+# its value out, so a Setting[int] is a Setting[object] among all the settings.
+T = TypeVar("T", covariant=True)
+
 
 @dataclasses.dataclass(frozen=True)
-class Setting:
+class Setting(Generic[T]):
     name: str
     allowed_values: str | Callable[[], str]  # a callable where the text is known only later
     default: str
     meaning: str
-    parse: Callable[[str], Any]  # the value in force; raises ValueError(why) when not allowed
+    parse: Callable[[str], T]  # the value in force; raises ValueError(why) when not allowed
 
     @property
     def allowed(self) -> str:
@@ -136,7 +140,7 @@ def _user() -> str:
 FIXES_VARIABLE = PREFIX
 
 
-def fix_selection(fix_names: tuple[str, ...]) -> Setting:
+def fix_selection(fix_names: tuple[str, ...]) -> Setting[frozenset[str]]:
     """``VLLM_MLA_FIXES``, the choice among ``fix_names`` (the package's
     fixes, which :mod:`vllm_mla_fixes.fixes` passes: this module imports none)."""
     return Setting(
@@ -159,13 +163,13 @@ CACHE_DIR = Setting(
 
 
 @dataclasses.dataclass(frozen=True)
-class Reading:
+class Reading(Generic[T]):
     """One ``VLLM_MLA_FIXES*`` variable that is set."""
 
     name: str
     raw: str
-    setting: Setting | None  # None: no setting has this name
-    value: Any = None  # what is in force; None when invalid or unknown
+    setting: Setting[T] | None  # None: no setting has this name
+    value: T | None = None  # what is in force; None when invalid or unknown
     problem: str | None = None  # why the value is not allowed
     known: tuple[str, ...] = ()  # for a name no setting has: the names the package reads
 
@@ -188,7 +192,7 @@ class Reading:
             f"{self.setting.allowed}; ignored, so the default applies: {self.setting.default}"
         )
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, object]:
         return {
             "name": self.name,
             "value": self.raw,
@@ -226,7 +230,7 @@ def plain(text: str) -> str:
     return text if text.isprintable() and len(text) <= SHOWN_CHARACTERS else shown(text)
 
 
-def read(setting: Setting, environ: Mapping[str, str] | None = None) -> Reading | None:
+def read(setting: Setting[T], environ: Mapping[str, str] | None = None) -> Reading[T] | None:
     """The variable of ``setting`` checked, or None when it is unset or empty."""
     raw = (os.environ if environ is None else environ).get(setting.name, "")
     if not raw.strip():
@@ -245,13 +249,15 @@ def environment_variable(name: str) -> str | None:
     return os.environ.get(name)
 
 
-def value(setting: Setting, environ: Mapping[str, str] | None = None) -> Any:
+def value(setting: Setting[T], environ: Mapping[str, str] | None = None) -> T | None:
     """The value in force, or None for the default (unset, empty, or not allowed)."""
     reading = read(setting, environ)
     return None if reading is None else reading.value
 
 
-def readings(known: Sequence[Setting], environ: Mapping[str, str] | None = None) -> list[Reading]:
+def readings(
+    known: Sequence[Setting[object]], environ: Mapping[str, str] | None = None
+) -> list[Reading[object]]:
     """Every ``VLLM_MLA_FIXES*`` variable that is set: the ``known`` settings
     in their order, then names none of them has (a misspelling, or a
     variable of the project's test tools)."""
@@ -270,7 +276,7 @@ _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def warn_invalid(log: logging.Logger, known: Sequence[Setting]) -> None:
+def warn_invalid(log: logging.Logger, known: Sequence[Setting[object]]) -> None:
     """Log one warning for each invalid setting of ``known``, once per value and process."""
     for reading in readings(known):
         if reading.setting is None or reading.problem is None:
@@ -288,7 +294,7 @@ def forget_warnings() -> None:
         _warned.clear()
 
 
-def help_text(known: Sequence[Setting]) -> str:
+def help_text(known: Sequence[Setting[object]]) -> str:
     """The ``known`` settings as ``--help`` shows them."""
     lines = ["environment variables (an invalid value is ignored with one warning):"]
     for s in known:
