@@ -129,7 +129,9 @@ def supervised() -> Iterator[None]:
         end_all()
 
 
-def run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> CompletedProcess:
+def run(
+    argv: list[str], timeout: float, env: dict[str, str] | None = None
+) -> CompletedProcess[str]:
     """Run the command ``argv`` to its end as a supervised child: it leads a
     session (and process group) of its own, which is ended whole when this
     process is stopped (:func:`supervised`), when it runs past ``timeout``

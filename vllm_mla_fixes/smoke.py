@@ -21,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from typing import cast
 
 PROMPTS = ("Hello", "What is 17*19?")
 DEFAULT_DEADLINE = 300.0  # seconds for the whole check
@@ -62,7 +63,7 @@ class SmokeResult:
                 text = text.replace(secret, REDACTED).replace(repr(secret)[1:-1], REDACTED)
         return text
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, object]:
         return {
             "url": self.url,
             "model": self._redacted(self.model),
@@ -187,7 +188,7 @@ class _Client:
         if self.watchdog.expired.is_set() or time.monotonic() >= self.deadline_at:
             raise DeadlinePassed
 
-    def request(self, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+    def request(self, path: str, body: dict[str, object] | None = None) -> http.client.HTTPResponse:
         self.check_deadline()
         left = self.deadline_at - time.monotonic()
         # every read waits at most this long; the watchdog bounds the whole
@@ -201,7 +202,8 @@ class _Client:
             headers=self.headers,
             method="GET" if body is None else "POST",
         )
-        return self.opener.open(req, timeout=self.waited)
+        # typeshed types open()'s answer Any; an http(s) URL's is an HTTPResponse
+        return cast(http.client.HTTPResponse, self.opener.open(req, timeout=self.waited))
 
     def describe(self, exc: Exception) -> str:
         if isinstance(exc, DeadlinePassed) or self.watchdog.expired.is_set():
@@ -248,7 +250,7 @@ def _text_of(choice: object, kind: str, stream: bool) -> str:
     return "".join(p or "" for p in parts)
 
 
-def _choices(payload: object) -> list:
+def _choices(payload: object) -> list[object]:
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if not isinstance(choices, list):
         raise BadAnswer(f"malformed answer: no list of choices in {payload!r:.80}")
@@ -259,7 +261,12 @@ def _exchange(
     client: _Client, model: str, kind: str, prompt: str, stream: bool, max_tokens: int
 ) -> Exchange:
     exchange = Exchange(kind, prompt, stream)
-    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body: dict[str, object] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     if kind == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"

@@ -58,7 +58,7 @@ class WheelBuildError(RuntimeError):
 # -- download -----------------------------------------------------------------------
 
 
-def _index_files(index_url: str, project: str = "vllm") -> list[dict]:
+def _index_files(index_url: str, project: str = "vllm") -> list[dict[str, object]]:
     """The project's files on a PEP 691 (JSON simple API) index."""
     url = f"{index_url.rstrip('/')}/{project}/"
     try:
@@ -78,13 +78,14 @@ def _index_files(index_url: str, project: str = "vllm") -> list[dict]:
     return files
 
 
-def _pick_wheel(files: list[dict], release: str) -> dict:
-    """The index's wheel of ``release`` that this machine would install."""
+def _pick_wheel(files: list[dict[str, object]], release: str) -> tuple[str, dict[str, object]]:
+    """The file name and index entry of the wheel of ``release`` that this
+    machine would install."""
     try:
         wanted = Version(release)
     except InvalidVersion:
         raise WheelBuildError(f"{release!r} is not a release number (e.g. 0.25.1)") from None
-    candidates = {}
+    candidates: dict[object, tuple[str, dict[str, object]]] = {}
     for entry in files:
         name = entry.get("filename")
         if not isinstance(name, str) or not name.endswith(".whl"):
@@ -95,13 +96,13 @@ def _pick_wheel(files: list[dict], release: str) -> dict:
             continue  # not ours to judge; it is simply not a candidate
         if ver == wanted:
             for tag in tags:
-                candidates[tag] = entry
+                candidates[tag] = (name, entry)
     for tag in sys_tags():
         if tag in candidates:
             return candidates[tag]
     raise WheelBuildError(
         f"the index has no vLLM {release} wheel for this platform "
-        f"(found: {sorted({e['filename'] for e in candidates.values()}) or 'none'})"
+        f"(found: {sorted({name for name, _ in candidates.values()}) or 'none'})"
     )
 
 
@@ -116,8 +117,7 @@ def _sha256(path: Path) -> str:
 def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path = CACHE) -> Path:
     """Download vLLM ``release`` (or reuse a cached copy) and check it against the
     sha256 the index publishes; refuse on any mismatch."""
-    entry = _pick_wheel(_index_files(index_url), release)
-    name = entry["filename"]  # a wheel's file name: _pick_wheel takes no other
+    name, entry = _pick_wheel(_index_files(index_url), release)
     hashes = entry.get("hashes")
     expected = hashes.get("sha256") if isinstance(hashes, dict) else None
     if not (isinstance(expected, str) and re.fullmatch(r"[0-9a-fA-F]{64}", expected)):
@@ -126,13 +126,14 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
             "an unverifiable download"
         )
     expected = expected.lower()
-    if not isinstance(entry.get("url"), str):
-        raise WheelBuildError(f"the index gives no URL for {name} (url: {entry.get('url')!r:.80})")
+    wheel_url = entry.get("url")
+    if not isinstance(wheel_url, str):
+        raise WheelBuildError(f"the index gives no URL for {name} (url: {wheel_url!r:.80})")
     cache.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temporaries(cache)
     target = cache / name
     if not (target.exists() and _sha256(target) == expected):
-        url = urllib.parse.urljoin(f"{index_url.rstrip('/')}/vllm/", entry["url"])
+        url = urllib.parse.urljoin(f"{index_url.rstrip('/')}/vllm/", wheel_url)
         # One temporary file per process (two builds downloading at once must not
         # write into the same file), in the cache under its final name only once checked.
         with atomic.replacing(target) as partial:
@@ -141,7 +142,7 @@ def download_verified(release: str, index_url: str = DEFAULT_INDEX, cache: Path 
             found = _sha256(partial)
             if found != expected:
                 raise WheelBuildError(
-                    f"sha256 mismatch for {entry['filename']}: the index publishes "
+                    f"sha256 mismatch for {name}: the index publishes "
                     f"{expected}, the download is {found}. Refusing to build from it."
                 )
     return target
