@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import Decision, decide_for
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, engine_config
@@ -34,7 +34,7 @@ def logger() -> logging.Logger:
         from vllm.logger import init_logger
     except Exception:  # pragma: no cover - vLLM broken
         return logging.getLogger("vllm.mla_fixes")
-    return init_logger("vllm.mla_fixes")
+    return cast(logging.Logger, init_logger("vllm.mla_fixes"))
 
 
 @dataclasses.dataclass(frozen=True)

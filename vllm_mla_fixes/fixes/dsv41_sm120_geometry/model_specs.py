@@ -23,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, ModelLayout
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
@@ -84,7 +84,7 @@ def _import(module_name: str) -> Any:
 
 def _unwrapped(cls: type) -> Callable[..., Any]:
     """``cls.get_kv_cache_spec`` as vLLM wrote it (the fix may wrap it)."""
-    function = cls.__dict__["get_kv_cache_spec"]
+    function = cast("Callable[..., Any]", cls.__dict__["get_kv_cache_spec"])
     while hasattr(function, "__wrapped__"):
         function = function.__wrapped__
     return function

@@ -100,7 +100,7 @@ def _compare_with_description(layer: Any, spec: Any, vllm_config: Any) -> None:
         STATE.note_mismatch(engine, found)
 
 
-def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod:
+def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod[..., Any]:
     """The backend's kernel block sizes for a spec, a function of the spec
     alone (vLLM asks with no engine config in view): 64-state pages wherever
     the spec's block holds whole 64-state pages -- every layout the fix lays

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 
@@ -33,7 +34,7 @@ def cuda_event_us(call: Callable[[], object]) -> float:
     call()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3  # ms -> us
+    return cast(float, start.elapsed_time(end)) * 1e3  # ms -> us
 
 
 def host_clock_us(call: Callable[[], object]) -> float:

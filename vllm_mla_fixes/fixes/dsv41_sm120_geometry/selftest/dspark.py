@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -88,7 +88,7 @@ def index_violations(call: dg.GatherCall, indices: torch.Tensor) -> list[Violati
 def _outside(call: dg.GatherCall, indices: torch.Tensor) -> list[list[int]]:
     visible = call.visible[:, None]
     bad = ((indices < -1) | (indices >= visible)) & call.is_valid[:, None]
-    return bad.nonzero().tolist()
+    return cast("list[list[int]]", bad.nonzero().tolist())
 
 
 def load_violations(call: dg.GatherCall, reads: list[dg.Read]) -> list[Violation]:

@@ -76,7 +76,7 @@ class DenseReference:
         self.model = inputs.model
         self.mxfp8 = mxfp8
         self.rounding = ref.writer_rounding()
-        self.computed: dict[tuple, torch.Tensor] = {}
+        self.computed: dict[tuple[str, str, int], torch.Tensor] = {}
 
     def forget(self, name: str) -> None:
         """Drop ``name``'s rows: its latents were redrawn."""

@@ -31,7 +31,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from vllm_mla_fixes import children
 
@@ -90,7 +90,7 @@ class Job:
 
     name: str
     target: Callable[..., object]
-    args: tuple
+    args: tuple[object, ...]
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ def run_jobs(
     (:mod:`vllm_mla_fixes.children`)."""
     context = multiprocessing.get_context("spawn")
     waiting = list(jobs)
-    running: dict[Any, _Worker] = {}  # by the receiving end of its pipe
+    # by the receiving end of its pipe
+    running: dict[multiprocessing.connection.Connection[object, object], _Worker] = {}
     outcomes: dict[str, object] = {}
     with children.supervised():
         while waiting or running:
@@ -121,10 +122,10 @@ def run_jobs(
                 worker = _start(context, waiting.pop(0), device)
                 running[worker.receiver] = worker
             deadline = min(w.started for w in running.values()) + limit_seconds
-            ready: list[Any] = multiprocessing.connection.wait(
+            ready = multiprocessing.connection.wait(
                 list(running), timeout=max(0.0, deadline - time.monotonic())
             )
-            for receiver in ready:
+            for receiver in [r for r in running if r in ready]:
                 worker = running.pop(receiver)
                 outcomes[worker.name] = _collect(worker)
             for worker in [w for w in running.values() if w.elapsed() >= limit_seconds]:
@@ -141,9 +142,11 @@ class _Worker:
     """One job's process, as the parent tracks it."""
 
     name: str
-    process: Any
-    receiver: Any  # the parent's end of the pipe the result comes through
-    entered: Any  # the kernel the process is in (shared buffer)
+    process: multiprocessing.context.SpawnProcess
+    pid: int  # the process's, known once it started
+    # the parent's end of the pipe the result comes through
+    receiver: multiprocessing.connection.Connection[object, object]
+    entered: ctypes.Array[ctypes.c_char]  # the kernel the process is in (shared buffer)
     started: float
 
     def elapsed(self) -> float:
@@ -162,9 +165,10 @@ def _start(context: multiprocessing.context.SpawnContext, job: Job, device: Devi
         name=f"selftest-{job.name}",
     )
     process.start()
-    children.register(cast(int, process.pid))  # started: it has its pid
+    pid = cast(int, process.pid)  # started: it has its pid
+    children.register(pid)
     sender.close()  # the child's end: the parent then sees EOF when the child dies
-    return _Worker(job.name, process, receiver, entered, time.monotonic())
+    return _Worker(job.name, process, pid, receiver, entered, time.monotonic())
 
 
 def _collect(worker: _Worker) -> object:
@@ -186,15 +190,15 @@ def _end(worker: _Worker, teardown_seconds: float) -> None:
     """Give the process ``teardown_seconds`` to exit, then end its whole group
     (what it started goes with it) and reap it, each wait bounded."""
     worker.receiver.close()
-    children.exited(worker.process.pid, teardown_seconds)
-    children.end_group(worker.process.pid)
+    children.exited(worker.pid, teardown_seconds)
+    children.end_group(worker.pid)
     worker.process.join(children.REAP_TIMEOUT_S)
 
 
 def _worker_process(
     job: Job,
     device: Device,
-    sender: multiprocessing.connection.Connection,
+    sender: multiprocessing.connection.Connection[object, object],
     entered: ctypes.Array[ctypes.c_char],
     parent: int,
 ) -> None:

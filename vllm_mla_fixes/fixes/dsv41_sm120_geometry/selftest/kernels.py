@@ -103,8 +103,8 @@ class Launch:
     again alone (the timing) or on other pages (:mod:`.pairing`)."""
 
     kernel: Callable[..., object]
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
+    args: tuple[Any, ...] = ()  # tensors and numbers as the kernel takes them
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self) -> object:
         return self.kernel(*self.args, **self.kwargs)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -382,7 +382,7 @@ class Layout:
     zeroer: Any = None  # vLLM's KVBlockZeroer over the bound views
 
     def group_block_size(self, gid: int) -> int:
-        return self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+        return cast(int, self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size)
 
     def by_kind(self, kind: str) -> list[CacheLayer]:
         return [c for c in self.caches.values() if c.kind == kind]
@@ -570,7 +570,7 @@ def _kv_cache_planner() -> ModuleType:
         from vllm.v1.core import kv_cache_planning as planner
     except ImportError:
         from vllm.v1.core import kv_cache_utils as planner
-    return planner
+    return cast(ModuleType, planner)
 
 
 def _upstream_refusal(
@@ -622,7 +622,7 @@ def _attention_groups(
     attn_groups: list[list[Any]] = []
     grouping: dict[str, CacheGrouping] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        keyed: dict[tuple, Any] = {}
+        keyed: dict[tuple[str, Any], Any] = {}  # (backend, spec) -> AttentionGroup
         for name in group.layer_names:
             backend = modules[name].backend
             spec = group.kv_cache_spec

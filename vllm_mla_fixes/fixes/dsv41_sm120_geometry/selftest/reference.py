@@ -315,7 +315,9 @@ def mxfp8_scales_follow_each_row() -> bool:
     )
 
 
-def mxfp8_addresses(page: torch.Tensor, row: torch.Tensor, pbs: int) -> tuple:
+def mxfp8_addresses(
+    page: torch.Tensor, row: torch.Tensor, pbs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Start of each token's 512 values and of its 16 scales, from its page's
     start and its row in the page (the release's layout)."""
     if mxfp8_scales_follow_each_row():

@@ -39,7 +39,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -469,22 +469,25 @@ class Worker:
         lens = batch.seq_lens[:num_reqs]
         query_lens = (qsl[1 : num_reqs + 1] - qsl[:num_reqs]).tolist()
         is_prefilling = torch.tensor(batch.prefilling, device=self.layout.device)
-        return build_attn_metadata(
-            attn_groups=attn_groups,
-            num_reqs=num_reqs,
-            num_tokens=num_tokens,
-            query_start_loc_gpu=qsl[: num_reqs + 1],
-            query_start_loc_cpu=qsl[: num_reqs + 1].cpu(),
-            max_query_len=max(query_lens),
-            seq_lens=lens,
-            max_seq_len=int(lens.max()),
-            block_tables=[t[:num_reqs] for t in batch.block_tables],
-            slot_mappings=slots,
-            kv_cache_config=self.layout.kv_cache_config,
-            seq_lens_cpu_upper_bound=lens.cpu(),
-            positions=positions,
-            is_prefilling=is_prefilling,
-            model_specific_attn_metadata=replay,
+        return cast(
+            "dict[str, Any]",
+            build_attn_metadata(
+                attn_groups=attn_groups,
+                num_reqs=num_reqs,
+                num_tokens=num_tokens,
+                query_start_loc_gpu=qsl[: num_reqs + 1],
+                query_start_loc_cpu=qsl[: num_reqs + 1].cpu(),
+                max_query_len=max(query_lens),
+                seq_lens=lens,
+                max_seq_len=int(lens.max()),
+                block_tables=[t[:num_reqs] for t in batch.block_tables],
+                slot_mappings=slots,
+                kv_cache_config=self.layout.kv_cache_config,
+                seq_lens_cpu_upper_bound=lens.cpu(),
+                positions=positions,
+                is_prefilling=is_prefilling,
+                model_specific_attn_metadata=replay,
+            ),
         )
 
     def _decoder_replay(self, batch: Batch, replay_start: torch.Tensor) -> ReplayView | None:
