@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import cast
 
 from vllm_mla_fixes import settings
 from vllm_mla_fixes.fixes import ALL_FIXES, FIX_NAMES, FIXES_BY_NAME, SELECTION, SETTINGS
@@ -29,7 +30,7 @@ def _logger() -> logging.Logger:
         from vllm.logger import init_logger
     except Exception:
         return logging.getLogger("vllm.mla_fixes")
-    return init_logger("vllm.mla_fixes")
+    return cast(logging.Logger, init_logger("vllm.mla_fixes"))
 
 
 def register() -> None:

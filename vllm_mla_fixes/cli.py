@@ -13,8 +13,9 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import vllm_mla_fixes
 from vllm_mla_fixes import arguments, atomic, settings
@@ -76,7 +77,7 @@ class _GuardedStdout:
     could be a wheel's full disk).  After one, what is still buffered goes to
     /dev/null, so the interpreter's exit does not fail again with a traceback."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def _failed(self, exc: OSError) -> StdoutFailed:
@@ -98,7 +99,7 @@ class _GuardedStdout:
         except OSError as exc:
             raise self._failed(exc) from exc
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
 
 
@@ -239,7 +240,9 @@ def cmd_review(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    # Its commands' parsers are _Parser too (add_subparsers makes them of the
+    # parser's class); they are used as the ArgumentParsers they are.
+    parser: argparse.ArgumentParser = _Parser(
         prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -263,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def _add_status_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     status = add_command(
         sub,
         "status",
@@ -286,7 +291,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     return status
 
 
-def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
+def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(
         sub,
         "verify",
@@ -302,7 +307,7 @@ def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+def _add_doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from vllm_mla_fixes.doctor import HELP_EPILOG as DOCTOR_EPILOG
 
     doctor = add_command(
@@ -322,7 +327,7 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
+def _add_smoke_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     smoke_cmd = add_command(
         sub,
         "smoke",
@@ -371,7 +376,7 @@ def _add_smoke_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
+def _add_build_wheel_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     build = add_command(
         sub,
         "build-wheel",
@@ -414,7 +419,7 @@ def _add_build_wheel_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_review_parser(sub: argparse._SubParsersAction) -> None:
+def _add_review_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     review = add_command(
         sub,
         "review",
@@ -493,7 +498,8 @@ def _run(args: argparse.Namespace, prog: str, as_json: bool) -> int:
         # it is writing (a cache entry, a wheel, a report) are removed, its
         # children ended (children.supervised passes the signal on to here).
         with atomic.interruptions_unwind():
-            return args.func(args)
+            run_command: Callable[[argparse.Namespace], int] = args.func  # set by add_command
+            return run_command(args)
     except CommandError as exc:
         return _fail(prog, str(exc), exc.exit_status, as_json)
     except StdoutFailed as exc:

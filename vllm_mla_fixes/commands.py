@@ -39,7 +39,7 @@ def _plain(text: str) -> str:
 
 
 def add_command(
-    sub: argparse._SubParsersAction,
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
     name: str,
     func: Callable[[argparse.Namespace], int],
     summary: str,
@@ -66,7 +66,7 @@ class Commands:
     of its own, listed after the shared ``status``, ``verify`` and ``doctor``,
     and options of ``status``."""
 
-    subcommands: argparse._SubParsersAction
+    subcommands: argparse._SubParsersAction[argparse.ArgumentParser]
     status: argparse.ArgumentParser
     # status options that add to its JSON document only: without --json, refused
     status_json_only: list[str] = dataclasses.field(default_factory=list)

@@ -35,7 +35,7 @@ class Fix:
 
     INFO: FixInfo
     """The fix's facts: name, upstream, covered releases, hardware, error."""
-    SETTINGS: tuple[Setting, ...]
+    SETTINGS: tuple[Setting[object], ...]
     """Its own ``VLLM_MLA_FIXES_*`` settings (the shared ones excluded)."""
     REVIEWED: Mapping[tuple[str, str], Mapping[str, str]]
     """The vLLM definitions it wraps or reads, by (module, qualified name):

@@ -325,11 +325,13 @@ class Patch:
         self._undo.append(lambda: setattr(owner, attr, old))
         return old
 
-    def replace_function(self, module: ModuleType, name: str, new: Callable) -> Callable:
+    def replace_function(
+        self, module: ModuleType, name: str, new: Callable[..., Any]
+    ) -> Callable[..., Any]:
         """Replace a module-level function and rebind it wherever vLLM
         modules imported it by name (``from module import name``).  Modules
         imported later read the replaced attribute themselves."""
-        old = self.replace(module, name, new)
+        old: Callable[..., Any] = self.replace(module, name, new)
         # Undone last: a vLLM module imported while the patch was in force
         # holds ``new`` by name; on revert it gets ``old`` back too.
         self._undo.insert(0, lambda: _rebind_vllm_modules(name, new, old))
@@ -368,8 +370,8 @@ class Patch:
 
 def _rebind_vllm_modules(
     name: str,
-    held: Callable,
-    new: Callable,
+    held: Callable[..., Any],
+    new: Callable[..., Any],
     patch: Patch | None = None,
     skip: ModuleType | None = None,
 ) -> None:

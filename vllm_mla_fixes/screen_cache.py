@@ -143,7 +143,7 @@ def _warn_unwritable(folder: Path, exc: OSError) -> None:
     )
 
 
-def _store(entry: Path, payload: dict) -> None:
+def _store(entry: Path, payload: dict[str, object]) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     # whole or not at all: processes started together never see half a file
     atomic.write_atomic(entry, json.dumps(payload))
