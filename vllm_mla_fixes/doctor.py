@@ -198,7 +198,7 @@ def hub_cache() -> Path:
     return Path(home) / "hub"
 
 
-def _model_config(model: str | None) -> tuple[dict, str]:
+def _model_config(model: str | None) -> tuple[dict[str, Any], str]:
     """config.json of a local model folder, or of its hub cache snapshot (the
     one ``refs/main`` names first), and where it was read."""
     if not model:
@@ -222,7 +222,7 @@ def _model_config(model: str | None) -> tuple[dict, str]:
     return {}, ""
 
 
-def _model(model: str | None) -> tuple[dict, list[str], str]:
+def _model(model: str | None) -> tuple[dict[str, Any], list[str], str]:
     """The model's config, architectures and where they come from."""
     config, source = _model_config(model)
     if config:
@@ -566,7 +566,7 @@ def verdict(findings: list[Finding]) -> Verdict:
     return Verdict(READY, "")
 
 
-def json_facts(findings: list[Finding]) -> dict[str, dict | None]:
+def json_facts(findings: list[Finding]) -> dict[str, dict[str, Any] | None]:
     """Each fix's machine-readable facts (``Finding.facts``) under the
     top-level key the fix declares (``DOCTOR_JSON_KEY``); null where none of
     its findings carries any (e.g. no DeepSeek-V4.1 line was judged)."""

@@ -117,15 +117,15 @@ class ServeLine:
 
     model: str | None
     architectures: list[str]
-    model_config: dict
+    model_config: dict[str, Any]  # config.json as vLLM reads it
     kv_cache_dtype: str
     attention_backend: str | None
     block_size: int | None
     enforce_eager: bool
     kv_offloading: bool
     prefix_caching: bool | None
-    kernel_config: dict
-    attention_config: dict
+    kernel_config: dict[str, Any]
+    attention_config: dict[str, Any]
     tensor_parallel_size: int
     moe_backend: str | None
     speculative: bool

@@ -133,7 +133,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="vllm")
+    parser: argparse.ArgumentParser = FlexibleArgumentParser(prog="vllm")
     subparsers = parser.add_subparsers(dest="subparser")
     options_module = serve_options_module()
     if options_module is None:

@@ -49,7 +49,7 @@ import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm_mla_fixes import atomic, children, settings
 
@@ -258,10 +258,11 @@ def prepare() -> types.SimpleNamespace:
     return types.SimpleNamespace(torch=torch, vllm=vllm, interface=interface, warmup=warmup)
 
 
-class _KeyLog(dict):
-    """The FA4 forward cache's dict, noting every key vLLM looks up."""
+class _KeyLog(dict[object, Any]):
+    """The FA4 forward cache's dict (compile key -> CuTe kernel), noting every
+    key vLLM looks up."""
 
-    looked_up: list
+    looked_up: list[object]
 
     def __contains__(self, key: object) -> bool:
         self.looked_up.append(key)
@@ -307,7 +308,7 @@ def probe_name(request: Any) -> str:  # one of warmup_requests()
     )
 
 
-def compile_warmup(env: types.SimpleNamespace, which: str, phase: str) -> list[dict]:
+def compile_warmup(env: types.SimpleNamespace, which: str, phase: str) -> list[dict[str, Any]]:
     """Compile warm-up requests: ``report`` (the report's kernel),
     ``context`` (the requests a context chunk uses: full mask, LSE; 6
     requests, 4 kernels) or ``all`` (the whole warm-up plan).  One record
@@ -436,7 +437,7 @@ def _dlpack_as_cuda(torch: types.ModuleType, tensor: torch.Tensor) -> object:  #
     return tvm_ffi.from_dlpack(capsule)
 
 
-def call_arguments(env: types.SimpleNamespace, step: Step, p: Plan) -> list:
+def call_arguments(env: types.SimpleNamespace, step: Step, p: Plan) -> list[Any]:
     """The arguments vLLM's ``_flash_attn_fwd`` passes an SM100 forward kernel
     for this context chunk, on CPU memory."""
     torch = env.torch
@@ -476,7 +477,9 @@ def classify(exc: BaseException | None) -> tuple[str, str]:
     return "other-error", text
 
 
-def in_child(work: Callable[[], dict], timeout: float = CALL_TIMEOUT_S) -> dict:
+def in_child(
+    work: Callable[[], dict[str, object]], timeout: float = CALL_TIMEOUT_S
+) -> dict[str, Any]:
     """Run ``work`` in a forked child (fresh launch state, same compiled
     kernels); its JSON-able result, or a timeout/crash record."""
     sys.stdout.flush()
@@ -513,7 +516,7 @@ def in_child(work: Callable[[], dict], timeout: float = CALL_TIMEOUT_S) -> dict:
         os.waitpid(pid, 0)
     if not chunks:
         return {"outcome": "child-crashed", "error": "the child exited without an answer"}
-    return json.loads(b"".join(chunks))
+    return cast("dict[str, Any]", json.loads(b"".join(chunks)))
 
 
 _primed: set[int] = set()
@@ -538,7 +541,7 @@ def prime(env: types.SimpleNamespace, kernel: Callable[..., object], step: Step,
     _primed.add(id(kernel))
 
 
-def run_step(env: types.SimpleNamespace, step: Step, phase: str) -> dict:
+def run_step(env: types.SimpleNamespace, step: Step, phase: str) -> dict[str, Any]:
     """Plan ``step`` with vLLM, then call the cached kernel in a child."""
     start = time.perf_counter()
     p = plan(env, step)
@@ -557,7 +560,7 @@ def run_step(env: types.SimpleNamespace, step: Step, phase: str) -> dict:
     kernel = forward_cache(env)[p.key]
     prime(env, kernel, step, p)
 
-    def work() -> dict:
+    def work() -> dict[str, object]:
         try:
             kernel(*call_arguments(env, step, p))
         except Exception as exc:  # noqa: BLE001
@@ -583,7 +586,7 @@ def apply_fix(env: types.SimpleNamespace) -> str:
     return result.status.label() if result.status.state.value != "applied" else "applied"
 
 
-def versions() -> dict:
+def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str | None] = {}
@@ -597,14 +600,14 @@ def versions() -> dict:
 
 def scenario(
     reproduce: bool = True, sweep: str = "default", log: Callable[[str], None] = lambda line: None
-) -> dict:
+) -> dict[str, Any]:
     """``reproduce``: compile the report's kernel unpatched and call it with
     total_q 129, 130 and 300.  Then apply the fix (through the plugin's
     ``run_fix``), recompile, and call 130 and 300 again.  ``sweep``:
     ``none``, ``default`` (both Split-KV context kernels) or ``full`` (the whole
     warm-up plan) -- plan and call every composition, counting new kernels."""
     env = prepare()
-    result: dict = {
+    result: dict[str, Any] = {
         "versions": versions(),
         "planning_sms": "132 SMs",
         "compile_sms": B200_SMS,
@@ -666,7 +669,7 @@ def scenario(
     return result
 
 
-def gate(cpu_package: bool = True) -> dict:
+def gate(cpu_package: bool = True) -> dict[str, Any]:
     """The fix's gate on this install, without compiling anything: the
     plugin's verdict, the probe's, and -- where the fix applies -- what it
     replaced and whether reverting restores vLLM."""
@@ -675,7 +678,7 @@ def gate(cpu_package: bool = True) -> dict:
     from vllm_mla_fixes.patching import CannotProbe, TargetMismatch, run_fix
 
     version = installed_vllm_version()
-    out: dict = {
+    out: dict[str, Any] = {
         "vllm": version,
         "admitted": fix.INFO.admits(version or "0"),
         "bare_package": expose_fa4_package() if cpu_package else False,
@@ -688,7 +691,7 @@ def gate(cpu_package: bool = True) -> dict:
         name: name in sys.modules for name in ("cutlass", fix.INTERFACE_MODULE)
     }
 
-    def functional() -> dict:
+    def functional() -> dict[str, object]:
         try:
             reason = fix.functional_verdict()
         except (CannotProbe, TargetMismatch) as exc:
@@ -727,7 +730,7 @@ def gate(cpu_package: bool = True) -> dict:
     return out
 
 
-def _child(args: list[str], timeout: float) -> tuple[dict | None, str]:
+def _child(args: list[str], timeout: float) -> tuple[dict[str, Any] | None, str]:
     """Run this module in a fresh interpreter; its JSON result, or why none."""
     import subprocess
     import tempfile
@@ -785,7 +788,7 @@ def whole_words(text: str, limit: int) -> str:
     return text[: limit + 1].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
 
 
-def summarize(result: dict, report: Callable[[str], None]) -> bool:
+def summarize(result: dict[str, Any], report: Callable[[str], None]) -> bool:
     """Report lines for a scenario result; whether it shows bug then fix."""
     calls = {(c["phase"], c["total_q"]): c for c in result["calls"]}
     for c in result["compiles"]:

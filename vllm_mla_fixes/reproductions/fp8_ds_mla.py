@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MethodType, SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,9 +30,9 @@ MAX_NUM_SEQS = 16
 CPU = torch.device("cpu")
 
 
-def load_config(path: Path = TINY_GLM_DSA) -> dict:
+def load_config(path: Path = TINY_GLM_DSA) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        return cast("dict[str, Any]", json.load(f))
 
 
 def cudagraph_min_blocks(max_num_seqs: int = MAX_NUM_SEQS) -> int:
@@ -42,7 +42,7 @@ def cudagraph_min_blocks(max_num_seqs: int = MAX_NUM_SEQS) -> int:
 
 
 def make_vllm_config(
-    model: dict,
+    model: dict[str, Any],
     block_size: int = BLOCK_SIZE,
     max_model_len: int = 4096,
     num_gpu_blocks_override: int | None = None,
@@ -72,7 +72,7 @@ def make_vllm_config(
     )
 
 
-def layer_specs(model: dict, vllm_config: SimpleNamespace) -> dict:
+def layer_specs(model: dict[str, Any], vllm_config: SimpleNamespace) -> dict[str, Any]:
     """The KV-cache spec of every MLA and indexer layer, from vLLM's own producers.
 
     ``MLAAttention.__init__`` has already turned ``--kv-cache-dtype fp8`` into
@@ -102,8 +102,8 @@ def layer_specs(model: dict, vllm_config: SimpleNamespace) -> dict:
 
 
 def profiling_kv_cache_config(
-    model: dict, max_num_seqs: int = MAX_NUM_SEQS
-) -> tuple[Any, dict]:  # vLLM's KVCacheConfig, the layer specs
+    model: dict[str, Any], max_num_seqs: int = MAX_NUM_SEQS
+) -> tuple[Any, dict[str, Any]]:  # vLLM's KVCacheConfig, the layer specs
     """What ``GPUModelRunner._init_minimal_kv_cache_for_profiling`` builds."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 
@@ -115,8 +115,8 @@ def profiling_kv_cache_config(
 
 
 def engine_kv_cache_config(
-    model: dict, num_blocks: int
-) -> tuple[Any, dict]:  # vLLM's KVCacheConfig, the layer specs
+    model: dict[str, Any], num_blocks: int
+) -> tuple[Any, dict[str, Any]]:  # vLLM's KVCacheConfig, the layer specs
     """What the engine core plans from the workers' specs, given memory for ``num_blocks``."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
@@ -140,7 +140,7 @@ def _attention_groups(kv_cache_config: Any) -> list[list[Any]]:  # vLLM's Attent
             if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
             else dict.fromkeys(group.layer_names, group.kv_cache_spec)
         )
-        by_backend: dict = {}
+        by_backend: dict[Any, list[str]] = {}  # vLLM's backend class -> its layers
         for name in group.layer_names:
             backend = (
                 DeepseekV32IndexerBackend
@@ -179,7 +179,9 @@ def views_v1_runner(kv_cache_config: Any) -> dict[str, torch.Tensor]:
             setattr(runner, name, MethodType(getattr(GPUModelRunner, name), runner))
     raw = runner._allocate_kv_cache_tensors(kv_cache_config)
     kernel_block_sizes = [BLOCK_SIZE] * len(kv_cache_config.kv_cache_groups)
-    return runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+    return cast(
+        "dict[str, torch.Tensor]", runner._reshape_kv_cache_tensors(raw, kernel_block_sizes)
+    )
 
 
 def views_model_runner_v2(kv_cache_config: Any) -> dict[str, torch.Tensor]:
@@ -189,8 +191,11 @@ def views_model_runner_v2(kv_cache_config: Any) -> dict[str, torch.Tensor]:
     raw = attn_utils._allocate_kv_cache(kv_cache_config, {}, CPU)
     groups = [g for per_group in _attention_groups(kv_cache_config) for g in per_group]
     kernel_block_sizes = [BLOCK_SIZE] * len(kv_cache_config.kv_cache_groups)
-    return attn_utils._reshape_kv_cache(
-        groups, raw, "fp8_ds_mla", kernel_block_sizes, {}, kv_cache_config
+    return cast(
+        "dict[str, torch.Tensor]",
+        attn_utils._reshape_kv_cache(
+            groups, raw, "fp8_ds_mla", kernel_block_sizes, {}, kv_cache_config
+        ),
     )
 
 
@@ -206,7 +211,9 @@ class Outcome:
         return self.error is None
 
 
-def run(path: str, model: dict | None = None, num_blocks: int = 96, runner: str = "v1") -> Outcome:
+def run(
+    path: str, model: dict[str, Any] | None = None, num_blocks: int = 96, runner: str = "v1"
+) -> Outcome:
     """Start-up KV-cache initialisation along ``path`` ("profiling" or "engine")."""
     model = model or load_config()
     if path == "profiling":

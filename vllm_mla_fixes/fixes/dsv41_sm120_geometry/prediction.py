@@ -148,7 +148,7 @@ def engine_settings(args: Any) -> Any:
     return EngineSettings(cache_options=cache_options, sections=sections, attached=attached)
 
 
-def model_text(model_config: dict | None) -> tuple[dict, str]:
+def model_text(model_config: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
     """The model's text config (its ``text_config`` where it has one) and
     where its figures come from: the operator's config.json where it holds
     the DeepSeek-V4.1 topology, else DeepSeek-V4.1-Flash's."""
@@ -160,7 +160,7 @@ def model_text(model_config: dict | None) -> tuple[dict, str]:
     return dict(DSV41_FLASH), "DeepSeek-V4.1-Flash's (no DeepSeek-V4.1 config.json read here)"
 
 
-def predict(serve_argv: list[str], model_config: dict | None = None) -> Prediction:
+def predict(serve_argv: list[str], model_config: dict[str, Any] | None = None) -> Prediction:
     """The decision an SM12x engine takes for the line; raises
     :class:`~vllm_mla_fixes.serve_line.Rejected` (vLLM's words) where vLLM's
     parser or configs refuse it."""

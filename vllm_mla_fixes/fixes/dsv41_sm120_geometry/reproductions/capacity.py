@@ -149,7 +149,7 @@ def measure(
     max_model_lens: tuple[int, ...],
     settings: repro.EngineSettings | None = None,
     fixed: bool = True,
-    model: dict | None = None,
+    model: dict[str, Any] | None = None,
 ) -> list[Row]:
     """Rows for one geometry: upstream (``fixed=False``), or the fix applied as
     on SM120, whose own decision picks the geometry for ``settings`` at each

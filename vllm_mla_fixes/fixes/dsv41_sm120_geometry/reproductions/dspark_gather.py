@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -129,7 +129,7 @@ def stale_lanes(call: GatherCall, indices: torch.Tensor) -> list[int]:
     )
     lanes = torch.arange(slots.shape[1]).expand_as(slots)
     past = (lanes >= lengths[:, None]) & (slots != -1)
-    return past.any(dim=1).nonzero().flatten().tolist()
+    return cast("list[int]", past.any(dim=1).nonzero().flatten().tolist())
 
 
 def short_context_rows(
@@ -181,7 +181,9 @@ def normalised_alike(tokens: int, topk: int) -> bool:
         name="decode",
     )
     assert flat_lens is not None and nested_lens is not None
-    return torch.equal(flat, nested) and torch.equal(flat_lens.flatten(), nested_lens.flatten())
+    return bool(
+        torch.equal(flat, nested) and torch.equal(flat_lens.flatten(), nested_lens.flatten())
+    )
 
 
 def split_k_scratch(tokens: int, heads: int, topk: int, extra_topk: int) -> list[tuple[int, int]]:

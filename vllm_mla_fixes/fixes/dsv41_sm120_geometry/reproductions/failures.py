@@ -29,13 +29,16 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
 from vllm_mla_fixes import patching
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.upstream import Rejection
 
 TINY_DSV41 = Path(__file__).resolve().parents[3] / "models" / "tiny_deepseek_v41" / "config.json"
 
@@ -67,9 +70,9 @@ START_ERRORS = (BLOCK_SIZE_ERROR, SPLIT_ERROR)
 CPU = torch.device("cpu")
 
 
-def tiny_model() -> dict:
+def tiny_model() -> dict[str, Any]:
     with open(TINY_DSV41, encoding="utf-8") as f:
-        return json.load(f)["text_config"]
+        return cast("dict[str, Any]", json.load(f)["text_config"])
 
 
 def attention_prefix(layer: int) -> str:
@@ -129,7 +132,7 @@ STAND_IN_MAX_MODEL_LEN = 8192  # the scheduler's own default where no model sets
 
 def attach_model(
     vllm_config: Any,  # a vllm.config.VllmConfig
-    model: dict,
+    model: dict[str, Any],
     drafter_ratios: tuple[int, ...] = (),
     max_model_len: int = STAND_IN_MAX_MODEL_LEN,
 ) -> None:
@@ -164,7 +167,7 @@ def attach_model(
 
 def build_layers(
     vllm_config: Any,  # a vllm.config.VllmConfig
-    model: dict,
+    model: dict[str, Any],
     drafter_ratios: tuple[int, ...] = (),
     only: Iterable[int] | None = None,
 ) -> dict[str, Any]:
@@ -209,7 +212,7 @@ def build_layers(
 
 
 def _sm120_attention(
-    layer_id: int, model: dict, compress_ratio: int, is_kv_source: bool, cache_config: Any
+    layer_id: int, model: dict[str, Any], compress_ratio: int, is_kv_source: bool, cache_config: Any
 ) -> Any:
     """An SM120 attention layer with only the cache attributes set (no weights)."""
     from vllm.models.deepseek_v41 import attention as v41
@@ -240,7 +243,9 @@ def _sm120_attention(
     return attn
 
 
-def _register_caches(attn: Any, model: dict, cache_config: Any, is_index_source: bool) -> None:
+def _register_caches(
+    attn: Any, model: dict[str, Any], cache_config: Any, is_index_source: bool
+) -> None:
     """The layer's sliding-window, compressor-state and indexer caches, built
     as DeepseekV4Attention.__init__ builds them (each registers itself in the
     current config's forward context)."""
@@ -287,7 +292,7 @@ def _planner() -> ModuleType:
         from vllm.v1.core import kv_cache_planning as planner
     except ImportError:
         from vllm.v1.core import kv_cache_utils as planner
-    return planner
+    return cast(ModuleType, planner)
 
 
 @dataclasses.dataclass
@@ -301,12 +306,12 @@ class Geometry:
 
     @property
     def forward_context(self) -> dict[str, Any]:
-        return self.vllm_config.compilation_config.static_forward_context
+        return cast("dict[str, Any]", self.vllm_config.compilation_config.static_forward_context)
 
 
 def plan_geometry(
     block_size: int,
-    model: dict | None = None,
+    model: dict[str, Any] | None = None,
     num_gpu_blocks_override: int | None = 8,
     available_memory: int = 1 << 30,
     settings: EngineSettings | None = None,
@@ -354,7 +359,7 @@ def plan_geometry(
     attn_layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
     attn_groups: list[list[Any]] = []
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-        by_key: dict[tuple, Any] = {}
+        by_key: dict[tuple[str, Any], Any] = {}  # (backend, spec) -> AttentionGroup
         for name in group.layer_names:
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -444,7 +449,7 @@ def allocate_and_bind(geometry: Geometry) -> dict[str, torch.Tensor]:
     flat_groups = [group for groups in geometry.attn_groups for group in groups]
     views = worker_utils.map_kv_caches_to_kernel_blocks(kv_caches, flat_groups)
     worker_utils.bind_kv_cache_to_layers(views, geometry.forward_context)
-    return kv_caches
+    return cast("dict[str, torch.Tensor]", kv_caches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,14 +536,17 @@ def sm120_decode_verdict(
     )
     if planned is not None:
         return None
-    return _decode_dispatch_error_message(
-        num_tokens=num_tokens,
-        num_heads=num_heads,
-        topk=topk,
-        d_qk=512,
-        page_block_size=page_block_size,
-        model_type=planner._MODEL_TYPE_DSV4,
-        extra_topk=0,
+    return cast(
+        "str | None",
+        _decode_dispatch_error_message(
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            topk=topk,
+            d_qk=512,
+            page_block_size=page_block_size,
+            model_type=planner._MODEL_TYPE_DSV4,
+            extra_topk=0,
+        ),
     )
 
 
@@ -551,7 +559,9 @@ def flashinfer_primary_page(kv_cache: torch.Tensor) -> int:
         from flashinfer.mla._sparse_mla_sm120 import _MODEL_TYPE_DSV4, _packed_kv_page_block_size
     except ImportError:
         return int(kv_cache.shape[1])  # NHD [pages, page_block_size, 1, bytes]
-    return _packed_kv_page_block_size(kv_cache, model_type=_MODEL_TYPE_DSV4, name="swa_kv_cache")
+    return int(
+        _packed_kv_page_block_size(kv_cache, model_type=_MODEL_TYPE_DSV4, name="swa_kv_cache")
+    )
 
 
 @contextlib.contextmanager
@@ -673,7 +683,7 @@ def verify(report: Callable[[str], None]) -> bool:
         return _verify(report)
 
 
-def kernel_verdicts(pages: list[Page]) -> tuple[tuple, tuple[str, ...]]:
+def kernel_verdicts(pages: list[Page]) -> tuple[tuple[Rejection, ...], tuple[str, ...]]:
     """(pages a kernel's own declaration rejects, envelopes that could not be
     read) of a bound layout (see ``dsv41_sm120_geometry.envelope``)."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
@@ -684,7 +694,7 @@ def kernel_verdicts(pages: list[Page]) -> tuple[tuple, tuple[str, ...]]:
     )
 
 
-def _verdict_summary(rejected: tuple, unknown: tuple[str, ...]) -> str:
+def _verdict_summary(rejected: tuple[Rejection, ...], unknown: tuple[str, ...]) -> str:
     if rejected:
         return "; ".join(f"{r.kernel} rejects {r.cache} pages of {r.rows} rows" for r in rejected)
     if unknown:
@@ -699,7 +709,7 @@ class UpstreamStart:
     block_size: int
     error: str | None  # vLLM's start-up error, or None where it started
     pages: str = ""  # the page rows of each cache, where it started
-    rejected: tuple = ()  # pages a kernel's own declaration rejects
+    rejected: tuple[Rejection, ...] = ()  # pages a kernel's own declaration rejects
     unknown: tuple[str, ...] = ()  # envelopes that could not be read
 
     @property
