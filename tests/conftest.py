@@ -54,7 +54,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     release = config.vllm_release
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         marker = item.get_closest_marker("vllm_release")
         (keep if marker is None or release in marker.args else drop).append(item)

@@ -59,7 +59,7 @@ def commands_in_tested_blocks(text: str) -> list[str]:
 
 
 def _documented_commands() -> list[tuple[str, str]]:
-    found = {}
+    found: dict[str, str] = {}  # command -> the first document that shows it
     for document in DOCUMENTS:
         for command in commands_in_tested_blocks(document.read_text()):
             found.setdefault(command, document.relative_to(ROOT).as_posix())
@@ -169,7 +169,7 @@ def _noxfile_env_dir() -> Path:
     """The noxfile's ENV_DIR under this process's environment (its assignments
     alone: nox is not installed in a release's test environment)."""
     tree = ast.parse((ROOT / "noxfile.py").read_text())
-    wanted = [
+    wanted: list[ast.stmt] = [
         node
         for node in tree.body
         if isinstance(node, ast.Assign)

@@ -203,8 +203,8 @@ def verdict_is_the_last_word(report: Report) -> list[str]:
     document = report.json
     errors = [f for f in report.findings if f["level"] == "error"]
     warnings = [f for f in report.findings if f["level"] == "warn"]
-    first = (errors or warnings or [None])[0]
-    reason = f"{first['topic']}: {first['message']}" if first else ""
+    first = (errors or warnings)[:1]
+    reason = f"{first[0]['topic']}: {first[0]['message']}" if first else ""
     label = document["verdict"]
     said = f"WILL FAIL: {reason}" if label == "WILL FAIL" else label
     problems = []
@@ -267,10 +267,10 @@ def gpu_wording(report: Report) -> list[str]:
     nothing says none is."""
     wrong = SAYS_NO_GPU if report.gpu_visible() else NEEDS_A_VISIBLE_GPU
     return [
-        f"{f['topic']}: {wrong.search(text).group(0)!r} in {text[:160]!r}"
+        f"{f['topic']}: {said.group(0)!r} in {text[:160]!r}"
         for f in report.findings
         for text in (f["message"], f["advice"])
-        if wrong.search(text)
+        if (said := wrong.search(text))
     ]
 
 

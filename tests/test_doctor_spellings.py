@@ -10,6 +10,7 @@ vLLM's parser and ``doctor.serve_of``, as ``doctor`` calls them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import itertools
@@ -32,7 +33,7 @@ MODEL = str(
 EXAMPLES = 30
 
 # setting -> (long flag, short flag or None, values); a dict value is a config option.
-OPTIONS = {
+OPTIONS: dict[str, tuple[str, str | None, list[object]]] = {
     "kv_cache_dtype": ("--kv-cache-dtype", None, ["fp8", "auto"]),
     "block_size": ("--block-size", None, [64, 128]),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp", [2, 8]),
@@ -42,7 +43,12 @@ OPTIONS = {
     "attention_config": ("--attention-config", "-ac", [{"indexer_kv_dtype": "mxfp4"}]),
     "kernel_config": ("--kernel-config", None, [{"enable_cutedsl_warmup": False}]),
 }
-PROGRAMS = (["vllm", "serve"], ["/usr/local/bin/vllm", "serve"], ["serve"], [])
+PROGRAMS: tuple[list[str], ...] = (
+    ["vllm", "serve"],
+    ["/usr/local/bin/vllm", "serve"],
+    ["serve"],
+    [],
+)
 
 
 def _flag_and_value(name: str, value: object) -> tuple[str, str | None]:
@@ -70,7 +76,11 @@ def long_flags() -> list[str]:
 
     with serve_line.cuda_device_type_while_parsing():
         parser = serve_line.serve_parser()
-    subparsers = next(a for a in parser._actions if a.dest == "subparser")
+    subparsers = next(
+        a
+        for a in parser._actions
+        if isinstance(a, argparse._SubParsersAction) and a.dest == "subparser"
+    )
     serve = subparsers.choices["serve"]
     return [s for s in serve._option_string_actions if s.startswith("--")]
 
@@ -102,8 +112,9 @@ def spelled(draw, chosen: dict[str, object], flags: list[str], folder: Path):
             item_text = json.dumps(item) if not isinstance(item, str) else item
             chunks.append(draw(st.sampled_from([[dotted, item_text], [f"{dotted}={item_text}"]])))
             continue
-        if form == "short" and OPTIONS[name][1] and flag == OPTIONS[name][0]:
-            spelling = OPTIONS[name][1]
+        short = OPTIONS[name][1]
+        if form == "short" and short and flag == OPTIONS[name][0]:
+            spelling = short
         elif form == "underscore":
             spelling = "--" + flag[2:].replace("-", "_")
         elif form == "abbrev":

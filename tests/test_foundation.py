@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from fix_releases import covered_by_some_fix, newest_covered, newest_of_earliest_fix
+from log_records import KeptRecords
 
 from vllm_mla_fixes import fix, patching, settings
 from vllm_mla_fixes.fix import Fix
@@ -42,9 +43,8 @@ def plugin_log():
     """Records of the plugin's logger (vLLM's logger tree does not propagate to caplog)."""
     import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.DEBUG)
-    handler.emit = records.append
+    handler = KeptRecords()
+    records = handler.records
     logger = logging.getLogger("vllm.mla_fixes")
     logger.addHandler(handler)
     yield records

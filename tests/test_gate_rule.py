@@ -45,9 +45,11 @@ def test_every_fix_declares_a_consistent_release_record():
         for uncovered in info.not_covered:
             for release in uncovered.releases:
                 status = release_decision(info, release)
+                assert status is not None, (info.name, release)
                 assert status.state is State.SKIPPED and "not covered here" in status.reason
         after = f"{newest.major}.{newest.minor + 1}.0"
         status = release_decision(info, after)
+        assert status is not None, (info.name, after)
         if info.fixed_in is None:
             assert status.state is State.SKIPPED and info.newest_reviewed in status.reason, (
                 info.name
@@ -60,6 +62,7 @@ def test_every_fix_declares_a_consistent_release_record():
 def test_unparseable_version_is_skipped_not_called_unaffected():
     for module in ALL_FIXES:
         status = release_decision(module.INFO, "not-a-version")
+        assert status is not None, module.INFO.name
         assert status.state is State.SKIPPED and "not a PEP 440 version" in status.reason
 
 

@@ -330,6 +330,7 @@ def test_too_little_free_gpu_memory_names_the_holders():
     busy = parse_gpu_memory("20480, 143771\n", "4242, python3, 120000\n")
     assert busy == {"free_gib": 20.0, "total_gib": 140.4, "holders": ["4242, python3, 120000"]}
     problem = memory_problem(busy, 0.5)
+    assert problem is not None
     assert "only 20.0 GiB of GPU memory free of 140.4 GiB" in problem
     assert "4242, python3, 120000" in problem and "kill <pid>" in problem
     assert memory_problem(parse_gpu_memory("143000, 143771", ""), 0.5) is None

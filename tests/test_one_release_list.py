@@ -80,7 +80,7 @@ def _allowed_subtrees(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-            roots = [node] if name == "FixInfo" else []
+            roots: list[ast.AST] = [node] if name == "FixInfo" else []
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             reviewed = any(getattr(t, "id", None) == "REVIEWED" for t in targets)

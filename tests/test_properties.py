@@ -199,7 +199,7 @@ def assert_contract(argv: list[str], outcome: dict) -> dict | None:
 JUNK = st.one_of(
     st.sampled_from(["", " ", "-", "--", "--bogus", "-x", "=", "\n", "é", "\udcff", "0", "-1"]),
     st.text(
-        alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+        alphabet=st.characters(exclude_categories=["Cs"], exclude_characters="\x00"),
         max_size=12,
     ),
 )
@@ -398,7 +398,7 @@ def _filled(argv: list[str], inputs: dict[str, str]) -> list[str]:
 
 
 def test_every_command_line_keeps_the_contract(worker, inputs, tmp_path, record_property):
-    seen = []
+    seen: list[object] = []  # one entry per generated example
 
     @settings(PROPERTY, max_examples=EXAMPLES["argv"])
     @given(command_lines())
@@ -441,7 +441,7 @@ SETTING_VALUES = {
 CACHE_SEGMENT = st.one_of(
     st.sampled_from(["screens", "..", ".", "~", "x" * 300, " ", "ünï", "\udcff", "new\nline"]),
     st.text(
-        alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="/\x00"),
+        alphabet=st.characters(exclude_categories=["Cs"], exclude_characters="/\x00"),
         min_size=1,
         max_size=12,
     ),
@@ -502,7 +502,7 @@ def _check_settings(worker, env: dict[str, str], baseline: dict[str, str], cwd: 
 def test_no_setting_turns_a_fix_off_and_each_invalid_one_warns_once(
     worker, inputs, baseline, tmp_path, record_property
 ):
-    seen = []
+    seen: list[object] = []  # one entry per generated example
 
     @settings(PROPERTY, max_examples=EXAMPLES["settings"])
     @given(
@@ -535,7 +535,7 @@ def test_no_setting_turns_a_fix_off_and_each_invalid_one_warns_once(
 def test_a_cache_folder_of_any_value_turns_no_fix_off(
     worker, inputs, baseline, tmp_path, record_property
 ):
-    seen = []
+    seen: list[object] = []  # one entry per generated example
 
     @settings(PROPERTY, max_examples=EXAMPLES["cache_dir"])
     @given(CACHE_DIRS)
@@ -614,7 +614,7 @@ def _doctor_keeps_vllms_word(worker, serve: list[str], cwd: Path, env: dict | No
 
 
 def test_doctor_on_any_config_json_keeps_the_contract(worker, tmp_path, record_property):
-    seen = []
+    seen: list[object] = []  # one entry per generated example
 
     @settings(PROPERTY, max_examples=EXAMPLES["config"])
     @given(config_files())
@@ -630,7 +630,7 @@ def test_doctor_on_any_config_json_keeps_the_contract(worker, tmp_path, record_p
 
 
 def test_doctor_on_any_serve_line_keeps_the_contract(worker, inputs, tmp_path, record_property):
-    seen = []
+    seen: list[object] = []  # one entry per generated example
 
     @settings(PROPERTY, max_examples=EXAMPLES["serve_line"])
     @given(serve_lines(st.sampled_from(["{tiny}", "{tiny}", "Qwen/Qwen3-8B", "/no/such/model"])))

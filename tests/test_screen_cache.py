@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fix_releases import covered_by, first_covered_after, newest_covered, newest_of_earliest_fix
+from log_records import KeptRecords
 from screen_cache_folder import fresh_screen_cache
 
 from vllm_mla_fixes import patching, screen_cache
@@ -83,9 +84,9 @@ def test_a_changed_vllm_file_is_screened_again(cache, tmp_path, monkeypatch):
 
     assert screen_cache.cached_screen(fp8.FIX, screen) is None  # 0.25.1 carries the bug
     edited = tmp_path / "attn_utils.py"
-    edited.write_text(
-        screen_cache.source_file(fp8.RESHAPE_MODULE).read_text() + "\n# hand-patched\n"
-    )
+    source = screen_cache.source_file(fp8.RESHAPE_MODULE)
+    assert source is not None, fp8.RESHAPE_MODULE
+    edited.write_text(source.read_text() + "\n# hand-patched\n")
     real = screen_cache.source_file
     monkeypatch.setattr(
         screen_cache,
@@ -153,9 +154,8 @@ def plugin_log():
 
     import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.DEBUG)
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler = KeptRecords()
+    records = handler.records
     logger = logging.getLogger("vllm.mla_fixes")
     logger.addHandler(handler)
     yield records

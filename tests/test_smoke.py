@@ -29,6 +29,7 @@ def server(request):
     proc = subprocess.Popen(
         [sys.executable, str(STUB), request.param], stdout=subprocess.PIPE, text=True
     )
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         port = int(proc.stdout.readline())
         yield f"http://127.0.0.1:{port}"

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location(
     "compare_outcomes", ROOT / "tests" / "upstream" / "compare_outcomes.py"
 )
+assert _spec is not None and _spec.loader is not None, "tests/upstream/compare_outcomes.py"
 compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare)
 

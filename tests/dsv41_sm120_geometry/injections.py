@@ -391,20 +391,20 @@ def injections() -> Iterator[Injection]:
     # apart every two engines that decide differently, so it is no bug; nor
     # one without a field no two engines are decided apart by on this release
     # (test_dsv41_held_claims.UNSHOWN).
-    for field in dataclasses.fields(EngineConfig):
-        if field.name in DERIVED or unshown(field.name):
+    for key_field in dataclasses.fields(EngineConfig):
+        if key_field.name in DERIVED or unshown(key_field.name):
             continue
         yield Injection(
-            f"engine key without {field.name}",
-            _key_without(field.name),
-            ((*KEY_TEST, {"field": field.name}),),
+            f"engine key without {key_field.name}",
+            _key_without(key_field.name),
+            ((*KEY_TEST, {"field": key_field.name}),),
         )
     yield Injection(
         "the draft model's own config ignored (DSpark)",
         _drafter_config_ignored,
         ((HELD, "test_dspark_reads_its_draft_models_own_config", {}),),
     )
-    drafter_test = (
+    drafter_test: Catcher = (
         HELD,
         "test_dsparks_drafter_is_decided_from_its_engines_configuration_alone",
         {},

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fix_releases import covered
@@ -72,7 +73,7 @@ def _engine(line: list[str], model: dict | None = None, max_model_len: int = 819
         )
     settings = prediction.engine_settings(args)
     model = model or repro.DSV41_FLASH
-    drafters = ()
+    drafters: tuple[int, ...] = ()
     if (args.speculative_config or {}).get("method") == "dspark":
         drafters = (0,) * int(model.get("n_mtp_layers") or 3)
     with repro.applied((12, 0)), repro.sm120_platform():
@@ -176,7 +177,7 @@ def test_reported_shapes_are_named_with_their_reports():
 
 # Two small checkpoints of the family besides DeepSeek-V4.1-Flash: other layer
 # counts, heads, top-k, sources and windows (their config.json text config).
-CHECKPOINTS = {
+CHECKPOINTS: dict[str, dict[str, Any]] = {  # name -> its config.json's text config
     "12-layers": {
         "num_hidden_layers": 12,
         "compress_ratios": [0, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1],
@@ -234,6 +235,7 @@ def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block
     )
     if dspark:
         layers = model.get("n_mtp_layers", 3)
+        assert predicted.engine.model is not None
         assert predicted.engine.model.drafter_layers == layers
 
 

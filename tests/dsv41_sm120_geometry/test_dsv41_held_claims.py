@@ -291,9 +291,15 @@ def test_dspark_reads_its_draft_models_own_config():
     draft = SimpleNamespace(hf_text_config=SimpleNamespace(n_mtp_layers=1))
     object.__setattr__(config.speculative_config, "draft_model_config", draft)
     with repro.sm120_platform():
-        assert engine_config(config).model.drafter_layers == 1
+        assert _drafter_layers(config) == 1
         object.__setattr__(config.speculative_config, "draft_model_config", None)
-        assert engine_config(config).model.drafter_layers == 3
+        assert _drafter_layers(config) == 3
+
+
+def _drafter_layers(config: Any) -> int:
+    model = engine_config(config).model
+    assert model is not None, "the engine's model was read"
+    return model.drafter_layers
 
 
 def _dspark_engine(stages: int) -> tuple[Any, Any]:

@@ -45,7 +45,7 @@ def _per_layer_pages(layout):
     )
 
     group_ids = tuple(get_offloading_group_ids(layout.kv_cache_config))
-    regions = {gid: [] for gid in group_ids}
+    regions: dict[int, list[tuple[torch.Tensor, int]]] = {gid: [] for gid in group_ids}
     for cache in layout.caches.values():
         if cache.group_id not in group_ids:
             continue

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 from fix_releases import covered
+from log_records import KeptRecords
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.checks import (
@@ -136,7 +137,7 @@ def test_flashinfer_070_planner_rejects_the_32_token_swa_page(upstream_128):
     page = repro.flashinfer_primary_page(cache)
     assert page == 32
     error = repro.sm120_decode_verdict(page, has_extra=False, **repro.REPORT_CALL)
-    assert error.startswith(REPORT_ERROR)
+    assert error is not None and error.startswith(REPORT_ERROR)
     assert (
         "Mismatch: page_block_size=32 is unsupported; decode kernels are instantiated only "
         "for page_block_size=64."
@@ -859,9 +860,8 @@ def test_engine_log_names_the_geometry_the_gpu_test_asserts(monkeypatch):
 
     import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.DEBUG)
-    handler.emit = records.append
+    handler = KeptRecords()
+    records = handler.records
     logger = logging.getLogger("vllm.mla_fixes")
     logger.addHandler(handler)
     level = logger.level

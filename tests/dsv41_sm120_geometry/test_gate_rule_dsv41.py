@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from log_records import KeptRecords
+
 from vllm_mla_fixes.fixes import ALL_FIXES
 from vllm_mla_fixes.patching import State
 
@@ -14,9 +16,8 @@ def test_plugin_warns_naming_the_newest_reviewed_release(fresh_plugin, monkeypat
     import vllm
     import vllm.logger  # noqa: F401  its logging set-up clears child handlers: run it first
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.DEBUG)
-    handler.emit = records.append
+    handler = KeptRecords()
+    records = handler.records
     logger = logging.getLogger("vllm.mla_fixes")
     logger.addHandler(handler)
     monkeypatch.setattr(vllm, "__version__", "0.35.0")

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fix_releases import covered
@@ -55,7 +56,7 @@ def harness_reads():
     device = kn.detect_device()
     runs = {}
     for geometry in ("split", "control"):
-        captured = []
+        captured: list[dict[str, Any]] = []  # torch tensors, by what they hold
 
         def observe(out, _captured=captured, **call):
             probe = torch.empty(call["query"].shape, dtype=torch.float32)
@@ -419,6 +420,7 @@ def test_dsv41_without_fix_fails_on_an_unrelated_failure(version, block_size):
         return
     fine = [_engine_record(), _attention_call(), *_indexer_calls(1)]
     assert missing_bug_signal(version, block_size, _run(fine))
+    assert expected.indexer_rows is not None  # an upstream that starts hands DeepGEMM pages
     signals = [
         [_attention_call(swa_rows=expected.swa_rows)],
         _indexer_calls(1, rows=expected.indexer_rows),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -25,7 +26,10 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.env import skip_discarde
 pytestmark = pytest.mark.vllm_release(*covered(DSV41))
 
 triton = pytest.importorskip("triton")
-tl = triton.language
+if TYPE_CHECKING:  # what mypy reads the kernel's tl.constexpr annotation by
+    import triton.language as tl
+else:
+    tl = triton.language
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
@@ -50,7 +54,7 @@ def _run() -> tuple[list[int], list[int]]:
 
 
 @contextlib.contextmanager
-def _options(**changes: bool) -> Iterator[object]:
+def _options(**changes: bool) -> Iterator[Any]:  # Triton's interpreter builder
     builder = interpreter.interpreter_builder
     saved = builder.options
     builder.options = dataclasses.replace(saved, **changes)

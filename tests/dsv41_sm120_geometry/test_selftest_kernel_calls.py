@@ -37,6 +37,8 @@ launch must be the same (issue 33).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
+from unittest import mock
 
 import fix_releases
 import kernel_calls as kc
@@ -44,6 +46,9 @@ import pytest
 import torch
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41_INFO
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.selftest.layout import CacheLayer
 
 DSV41 = fix_releases.covered(DSV41_INFO)
 # The fix's target, SM12x, on every covered release; SM100 and SM90, where the
@@ -92,12 +97,12 @@ def _record(arch: str):
         StepPlan("C prefill", (("C", None),), ("indexer-prefill",)),
         StepPlan("C decode", (("C", 1),), ()),
     )
-    IndexerReads.read_indexer = read_indexer
-    try:
-        with kc.pretend_gpu(arch), kc.recording(calls, caller):
-            result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
-    finally:
-        IndexerReads.read_indexer = original
+    with (
+        mock.patch.object(IndexerReads, "read_indexer", read_indexer),
+        kc.pretend_gpu(arch),
+        kc.recording(calls, caller),
+    ):
+        result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
     return calls, result
 
@@ -167,7 +172,7 @@ def _record_writers(arch: str):
     calls: list[kc.Call] = []
     caller = ["builder"]
     original = Writes.write
-    caches = []
+    caches: list[CacheLayer] = []
 
     def write(writes, batch, block_ids):
         caller[0] = "vllm"
@@ -197,19 +202,16 @@ def _record_writers(arch: str):
     sources = {**cpu.sources, kn.SWA_WRITER: "real (vLLM CUDA op)"}  # the write reaches the op
     device = kn.Device("cuda", torch.device("cpu"), f"pretend {arch}", kc.ARCHS[arch][0])
     plans = (StepPlan("C prefill", (("C", None),), ()), StepPlan("C decode", (("C", 1),), ()))
-    Writes.write = write
-    try:
-        with (
-            kc.pretend_gpu(arch),
-            kc.recording(calls, caller),
-            kc.recording_writers(calls, caller, stop_for="vllm"),
-            kc.recording_compressed_writer(calls, caller),
-            kc.recording_indexer_k_writer(calls, caller),
-        ):
-            result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
-            layer = _layer_cache_arguments()
-    finally:
-        Writes.write = original
+    with (
+        mock.patch.object(Writes, "write", write),
+        kc.pretend_gpu(arch),
+        kc.recording(calls, caller),
+        kc.recording_writers(calls, caller, stop_for="vllm"),
+        kc.recording_compressed_writer(calls, caller),
+        kc.recording_indexer_k_writer(calls, caller),
+    ):
+        result = harness.run_geometry("split", device, kn.Kernels(device, sources), plans=plans)
+        layer = _layer_cache_arguments()
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
     return calls, layer, caches
 
@@ -245,7 +247,7 @@ def _layer_cache_arguments() -> dict:
     )
     self = SimpleNamespace(kv_cache_dtype="fp8_ds_mla")
     namespace = dict(vars(v41))
-    body = sorted(statements.values(), key=lambda node: node.lineno)
+    body: list[ast.stmt] = sorted(statements.values(), key=lambda node: node.lineno)
     exec(
         compile(ast.Module(body=body, type_ignores=[]), "<__init__>", "exec"),
         namespace,
@@ -369,14 +371,12 @@ def test_sm100_window_records_read_back_exactly_on_cpu():
         records.append(writes.layout.kv_records)
         return original(writes, batch, block_ids)
 
-    Writes.write = write
-    try:
-        with kc.pretend_gpu("sm100"), kc.recording([], ["selftest"]):
-            result = harness.run_geometry(
-                "split", device, kn.Kernels(device, cpu.sources), plans=plans
-            )
-    finally:
-        Writes.write = original
+    with (
+        mock.patch.object(Writes, "write", write),
+        kc.pretend_gpu("sm100"),
+        kc.recording([], ["selftest"]),
+    ):
+        result = harness.run_geometry("split", device, kn.Kernels(device, cpu.sources), plans=plans)
     assert result.aborted is None, "\n".join([result.aborted, *result.layout[-1:]])
     assert records and all(
         r.mxfp8 and r.swa_bytes_per_token == r.compressed_bytes_per_token == 528 for r in records

@@ -86,7 +86,7 @@ def _problems(result, kernel: str) -> str:
 
 def _once(wrapper):
     """``wrapper(original, self, *args, **kwargs)`` on the first call only."""
-    calls = []
+    calls: list[None] = []  # one entry per call
 
     def install(original):
         @functools.wraps(original)
@@ -131,7 +131,7 @@ def test_one_wrong_window_row_fails(monkeypatch):
     """The attention reads 60 window rows for the decode: one holds another
     token's record (a stray write's, or a misaddressed page)."""
     stand_in = kn.sparse_mla_stand_in
-    calls = []
+    calls: list[None] = []  # one entry per call
 
     def misread(**kwargs):
         calls.append(None)

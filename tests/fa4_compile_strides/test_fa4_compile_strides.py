@@ -113,6 +113,9 @@ def test_gate_not_needed_on_0_24_0(tmp_path):
     assert "no compile-only tensor specs" in gate["functional_probe"]["reason"]
 
 
+assert fix.INFO.fixed_in is not None, "vLLM fixed the FA4 bug upstream"
+
+
 @pytest.mark.vllm_release(
     fix.INFO.fixed_in, *first_covered_after(fix.INFO.fixed_in)
 )  # and a later one

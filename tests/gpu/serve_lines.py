@@ -151,19 +151,20 @@ def main() -> int:
     if platforms.current_platform.is_unspecified():
         platforms.current_platform = CpuPlatform()
     release = version("vllm")
-    result = {"vllm": release, "serve": {}, "bench": {}, "llm": {}}
+    serve: dict[str, object] = {}
+    bench: dict[str, object] = {}
+    llm: dict[str, object] = {}
+    result = {"vllm": release, "serve": serve, "bench": bench, "llm": llm}
     for name, (model, flags) in _serve_lines(release).items():
-        result["serve"][name] = build_serve_line(model, flags)
+        serve[name] = build_serve_line(model, flags)
     for name, flags in _bench_lines(release).items():
-        result["bench"][name] = parse_bench_line(flags)
+        bench[name] = parse_bench_line(flags)
     if release.startswith("0.25."):
-        result["llm"]["fa4 case"] = build_llm_case()
-        result["llm"]["fa4 case TRTLLM_RAGGED"] = build_llm_case(
+        llm["fa4 case"] = build_llm_case()
+        llm["fa4 case TRTLLM_RAGGED"] = build_llm_case(
             attention_config={"mla_prefill_backend": "TRTLLM_RAGGED"}
         )
-        result["llm"]["fa4 case warm-up off"] = build_llm_case(
-            kernel_config={"enable_cutedsl_warmup": False}
-        )
+        llm["fa4 case warm-up off"] = build_llm_case(kernel_config={"enable_cutedsl_warmup": False})
     print("RESULT=" + json.dumps(result, default=str), flush=True)
     return 0
 

@@ -44,6 +44,7 @@ def pytest_configure(config):
         if result.status.state is not State.APPLIED:
             stack.close()
             raise RuntimeError(f"{fix.INFO.name} did not apply: {result.status.reason}")
+        assert result.patch is not None  # an applied fix holds its patch
         stack.callback(result.patch.revert)
     _session["stack"] = stack
 

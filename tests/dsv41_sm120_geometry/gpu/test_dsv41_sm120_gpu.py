@@ -47,6 +47,7 @@ import time
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpu.inprocess.call_probes import LOG_ENV, read_log
@@ -152,7 +153,7 @@ def serve_and_generate(
         LOG_ENV: str(call_log),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE_DIR), os.environ.get("PYTHONPATH")])),
     }
-    result = {"healthy": False, "completions": [], "request_error": None}
+    result: dict[str, Any] = {"healthy": False, "completions": [], "request_error": None}
     with running_server(MODEL_DIR, args, env, log_path, startup_timeout) as server:
         result["healthy"] = server.healthy
         result["gpu_memory_before"] = server.gpu_memory_before

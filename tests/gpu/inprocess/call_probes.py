@@ -51,7 +51,7 @@ INDEXER_GATHER_MODULE = "vllm._custom_ops"
 NOPE, ROPE_BYTES, DATA_BYTES, FOOTER_BYTES, SCALES = 448, 128, 576, 8, 7
 
 
-def emit(record: dict) -> None:
+def emit(record: dict[str, object]) -> None:
     path = os.environ.get(LOG_ENV)
     if not path:
         return
@@ -425,7 +425,7 @@ def instrument_indexer_gather(module) -> None:
         if _capturing(kv_cache):
             emit({"probe": "indexer_gather", "skipped": "CUDA graph capture"})
             return original(*args, **kwargs)
-        record = {
+        record: dict[str, object] = {
             "probe": "indexer_gather",
             "indexer_page": [int(kv_cache.shape[1]), int(kv_cache.stride(0))],
         }
@@ -494,7 +494,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                     }
                 )
 
-        spec.loader.exec_module = exec_module
+        # the loader importlib found, its exec_module wrapped (no stand-in loader)
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 

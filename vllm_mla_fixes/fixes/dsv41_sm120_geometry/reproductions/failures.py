@@ -45,7 +45,7 @@ TINY_DSV41 = Path(__file__).resolve().parents[3] / "models" / "tiny_deepseek_v41
 # DeepSeek-V4.1-Flash's sparse-attention topology, from third-party copies of
 # its config.json (the dossier's layout): 40 layers, ratios [0,0]+[2]*18+[1]*20,
 # compressed-KV (and index-K) sources on layers 2, 8, 14 and 20, 128-token window.
-DSV41_FLASH = {
+DSV41_FLASH: dict[str, Any] = {
     "num_hidden_layers": 40,
     "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
     "kv_source_layer_ids": [2, 8, 14, 20],
