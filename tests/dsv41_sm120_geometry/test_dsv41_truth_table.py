@@ -195,4 +195,5 @@ def test_status_says_why_no_table_is_kept_where_there_is_no_cache_folder(monkeyp
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", "relative-home")
     source = table.for_status(compute=False)["source"]
+    assert isinstance(source, str), source
     assert source.startswith("no cache to keep it in: no absolute cache folder"), source

@@ -99,7 +99,7 @@ class Decision:
         drafter = model is not None and model.is_drafter(layer)
         return self.drafter_swa_rows if drafter else self.backbone_swa_rows
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """What ``status --json`` and ``doctor --json`` show of the decision."""
         layout = self.upstream
         return {

@@ -143,7 +143,7 @@ class EngineConfig:
     forced_geometry: Geometry | None
     forced_drafter_rows: int | None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "block_size": self.block_size,
             "cache_dtype": self.cache_dtype,

@@ -78,7 +78,7 @@ class Prediction:
     shapes: tuple[Shape, ...]
     shape_problem: str | None  # why the shapes could not be checked
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """``doctor --json``'s ``dsv41`` object: the engine's own report, and
         the line's figure against the best upstream layout that works for it
         (its own where it works, else the other block size's), as the text says."""
@@ -95,7 +95,7 @@ class Prediction:
             "vs_best_working_upstream": versus,
         }
 
-    def engine_report(self) -> dict[str, Any]:
+    def engine_report(self) -> dict[str, object]:
         """The part of :meth:`report` an engine reports too (``status --json``):
         the engine's record and its decision."""
         return engine_report(self.engine, self.decision)

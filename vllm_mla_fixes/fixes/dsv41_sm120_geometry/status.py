@@ -6,8 +6,6 @@ the engine's own process shows for it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import Decision
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
@@ -28,12 +26,12 @@ RULE = (
 )
 
 
-def engine_report(engine: EngineConfig, decision: Decision) -> dict[str, Any]:
+def engine_report(engine: EngineConfig, decision: Decision) -> dict[str, object]:
     """One engine's decision as ``status --json`` and ``doctor --json`` show it."""
     return {"engine": engine.as_dict(), **decision.as_dict()}
 
 
-def engine_reports() -> list[dict[str, Any]]:
+def engine_reports() -> list[dict[str, object]]:
     """Every engine decided in this process, in the order they were decided."""
     reports = []
     for engine, decision in list(STATE.decisions.items()):

@@ -41,7 +41,7 @@ class Rejection:
     rows: int
     kernel: str
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {"cache": self.cache, "rows": self.rows, "kernel": self.kernel}
 
 

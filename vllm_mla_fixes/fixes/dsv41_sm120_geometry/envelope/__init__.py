@@ -37,8 +37,6 @@ statements are never used as an envelope.
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import installed
 from .installed import deep_gemm_dir, installed_version, package_dir, shown
 from .model import (
@@ -79,7 +77,7 @@ from .table import (
 )
 
 
-def report() -> dict[str, Any]:
+def report() -> dict[str, object]:
     """The envelopes, vLLM's statements and their disagreements, for JSON."""
     deep_gemm = deep_gemm_dir()
     return {

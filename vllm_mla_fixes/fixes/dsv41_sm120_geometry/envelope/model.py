@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
 # The FlashInfer releases whose declarations were read when this module was
 # written; another one (e.g. 0.7.3, which 0.34.0 pins but PyPI never had) gives
@@ -154,7 +153,7 @@ class KernelEnvelope:
             parts.append(f"top-k {self.topk}")
         return f"{self.title}: " + "; ".join(parts)
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         return {
             "kernel": self.kernel,
             "title": self.title,

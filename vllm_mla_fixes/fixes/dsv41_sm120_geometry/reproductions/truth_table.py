@@ -74,7 +74,7 @@ class Cell:
             return False
         return None if self.unknown_envelopes else True
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "vllm": self.vllm,
             "device": self.device,
@@ -368,7 +368,7 @@ def _cached_cells(cache: Path) -> Any:
     return cells if isinstance(cells, list) else None
 
 
-def for_status(compute: bool) -> dict[str, Any]:
+def for_status(compute: bool) -> dict[str, object]:
     """``status --json``'s ``dsv41_truth_table``: the installed build's cells,
     from the cache or (``compute``) derived now in a fresh interpreter and
     kept; else where they would come from."""

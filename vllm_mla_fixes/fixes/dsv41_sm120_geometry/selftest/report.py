@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import bounds as bd
 from . import clock
@@ -159,7 +158,7 @@ class Report:
         verdicts = [geometry_verdict(r) for r in self.results]
         return EXIT_MISMATCH if FAIL in verdicts or MISSED in verdicts else EXIT_OK
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         return {
             "vllm": self.vllm,
             "device": {
@@ -412,7 +411,7 @@ class Report:
                 lines.append("  ".join("-" * w for w in widths))
         return lines
 
-    def kernel_timing_json(self) -> dict[str, Any]:
+    def kernel_timing_json(self) -> dict[str, object]:
         """The timed step's reading kernels: microseconds of the fix's default
         layout and of the baseline, and the ratio with its quartiles."""
         timing = self.kernel_timing
