@@ -261,7 +261,7 @@ def _fixed_rows(block_size: int, line_label: str, max_model_lens: tuple[int, ...
     )
     # Where FlashInfer takes run-time page sizes the drafter's pages are 128
     # rows by default; the environment variable keeps them at 64.
-    drafter_pages: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
+    drafter_pages: list[tuple[str, Callable[[], contextlib.AbstractContextManager[object]]]] = [
         ("", contextlib.nullcontext)
     ]
     if flashinfer_takes_runtime_swa_pages():

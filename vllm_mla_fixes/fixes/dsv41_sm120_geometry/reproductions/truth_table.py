@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ class Cell:
         }
 
 
-def _str_keys(values: dict[int, Any] | None) -> dict[str, Any] | None:
+def _str_keys(values: Mapping[int, object] | None) -> dict[str, object] | None:
     return None if values is None else {str(k): v for k, v in values.items()}
 
 
