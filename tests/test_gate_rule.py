@@ -10,6 +10,8 @@ fix's probe (``None`` here).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from gate_rule_tables import PROBE, expected_decisions
 from packaging.version import Version
@@ -70,8 +72,11 @@ def test_run_fix_decides_by_release_before_probing():
     def probe():
         raise AssertionError("the release rule decides before the probe runs")
 
+    def apply(patch):
+        raise AssertionError("the release rule decides before anything is applied")
+
     for module in ALL_FIXES:
-        fix = type("Fix", (), {"INFO": module.INFO, "probe": staticmethod(probe), "apply": None})
+        fix = dataclasses.replace(module, probe=probe, apply=apply)
         result = run_fix(fix, "9.0.0")
         assert result.patch is None
         expected = State.SKIPPED if module.INFO.fixed_in is None else State.NOT_NEEDED

@@ -65,7 +65,7 @@ def imported_modules(name: str, module_level: bool = True) -> set[str]:
     imports its own parts is no cycle)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
+    found: set[str] = set()
     for node in _imports(ast.parse(path.read_text()).body, module_level):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)

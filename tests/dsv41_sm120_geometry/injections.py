@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from vllm_mla_fixes.fix import Fix
+
 Catcher = tuple[str, str, dict[str, Any]]
 
 
@@ -200,7 +202,7 @@ def _bad_cache_folder_turns_the_fix_off(mp: pytest.MonkeyPatch) -> None:
 
     original = screen_cache.cached_screen
 
-    def cached_screen(fix: ModuleType, screen: Callable[[], str | None]) -> str | None:
+    def cached_screen(fix: Fix, screen: Callable[[], str | None]) -> str | None:
         raw = os.environ.get(screen_cache.CACHE_DIR_ENV, "").strip()
         if raw and not _usable(Path(raw)):
             return f"not-needed: {raw} cannot be used"

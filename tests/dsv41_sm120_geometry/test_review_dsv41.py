@@ -40,10 +40,10 @@ DEFINITION_LINE = re.compile(r"^    (match|changed|missing|unreviewed) +(\S+)  "
 
 
 def test_gate_rule_and_scope():
-    decision, in_scope = review.gate(dsv41_sm120_geometry, "99.0.0")
+    decision, in_scope = review.gate(dsv41_sm120_geometry.FIX, "99.0.0")
     assert in_scope and decision.startswith("skipped: not reviewed: vLLM 99.0.0 is newer than")
     # as of 0.33.0 nothing newer was reviewed, whatever the registry holds today
-    decision, in_scope = review.gate(dsv41_sm120_geometry, "0.34.0", against="0.33.0")
+    decision, in_scope = review.gate(dsv41_sm120_geometry.FIX, "0.34.0", against="0.33.0")
     assert in_scope and decision.startswith(
         "skipped: not reviewed: vLLM 0.34.0 is newer than 0.33.0"
     )
