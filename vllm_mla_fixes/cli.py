@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import NoReturn, TextIO
 
 import vllm_mla_fixes
 from vllm_mla_fixes import arguments, atomic, settings
@@ -134,7 +134,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for module, entry in zip(ALL_FIXES, statuses)
     ]
     if args.json:
-        document: dict[str, Any] = {
+        document: dict[str, object] = {
             "vllm": vllm_mla_fixes.installed_vllm_version(),
             "vllm_mla_fixes": vllm_mla_fixes.__version__,
             "fixes": rows,

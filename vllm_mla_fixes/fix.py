@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm_mla_fixes.commands import Commands
@@ -68,7 +68,7 @@ class Fix:
     kernel_disagreements: Callable[[], list[str]]
     """Where vLLM's statement about a kernel the fix concerns and the
     kernel's own declaration in the installed build differ (``status``)."""
-    status_json: Callable[[argparse.Namespace], dict[str, Any]]
+    status_json: Callable[[argparse.Namespace], dict[str, object]]
     """The keys the fix adds to ``status --json``, after ``exit_status``."""
 
 
@@ -89,7 +89,7 @@ def no_disagreements() -> list[str]:
     return []
 
 
-def no_status_keys(args: argparse.Namespace) -> dict[str, Any]:
+def no_status_keys(args: argparse.Namespace) -> dict[str, object]:
     """``status_json``: no keys of its own."""
     return {}
 

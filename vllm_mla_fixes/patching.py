@@ -318,7 +318,7 @@ class Patch:
         self._undo: list[Callable[[], None]] = []
         self.failed: str | None = None  # why a deferred step failed (the patch is then reverted)
 
-    def replace(self, owner: Any, attr: str, new: Any) -> Any:
+    def replace(self, owner: object, attr: str, new: object) -> Any:
         """Set ``owner.attr = new`` and return the previous value."""
         old = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         setattr(owner, attr, new)
@@ -326,12 +326,12 @@ class Patch:
         return old
 
     def replace_function(
-        self, module: ModuleType, name: str, new: Callable[..., Any]
-    ) -> Callable[..., Any]:
+        self, module: ModuleType, name: str, new: Callable[..., object]
+    ) -> Callable[..., object]:
         """Replace a module-level function and rebind it wherever vLLM
         modules imported it by name (``from module import name``).  Modules
         imported later read the replaced attribute themselves."""
-        old: Callable[..., Any] = self.replace(module, name, new)
+        old: Callable[..., object] = self.replace(module, name, new)
         # Undone last: a vLLM module imported while the patch was in force
         # holds ``new`` by name; on revert it gets ``old`` back too.
         self._undo.insert(0, lambda: _rebind_vllm_modules(name, new, old))
@@ -370,7 +370,7 @@ class Patch:
 
 def _rebind_vllm_modules(
     name: str,
-    held: Callable[..., Any],
+    held: Callable[..., object],
     new: Callable[..., Any],
     patch: Patch | None = None,
     skip: ModuleType | None = None,

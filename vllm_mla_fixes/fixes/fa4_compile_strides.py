@@ -283,14 +283,14 @@ def symbolic_spec_converter(original: Any) -> Any:
     return to_cute_tensor
 
 
-def fresh_forward_cache(interface: ModuleType) -> Any:
+def fresh_forward_cache(interface: ModuleType) -> object:
     """An empty forward compile cache of the kind vLLM made, on-disk ones in
     a namespace no unpatched process writes to."""
     cache_utils = importlib.import_module(CACHE_MODULE)
     # Any: classes of the installed flash-attention, absent where None
     current: Any = getattr(interface._flash_attn_fwd, "compile_cache", None)
-    persistent: Any = getattr(cache_utils, "JITPersistentCache", None)
-    in_memory: Any = getattr(cache_utils, "JITCache", None)
+    persistent: object = getattr(cache_utils, "JITPersistentCache", None)
+    in_memory: object = getattr(cache_utils, "JITCache", None)
     if persistent is not None and type(current) is persistent:
         where = current.cache_path  # <cache dir>/<source fingerprint>/fwd
         namespace = where.parent

@@ -187,7 +187,7 @@ def source_screen() -> str | None:
     return None
 
 
-def _derive_quant_mode(original_post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+def _derive_quant_mode(original_post_init: Callable[[object], None]) -> Callable[[object], None]:
     from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
 
     @functools.wraps(original_post_init)

@@ -85,7 +85,7 @@ import argparse
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.gate import (
@@ -172,7 +172,7 @@ def kernel_disagreements() -> list[str]:
     return cli.kernel_disagreements()
 
 
-def status_json(args: argparse.Namespace) -> dict[str, Any]:
+def status_json(args: argparse.Namespace) -> dict[str, object]:
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import cli
 
     return cli.status_json(args)

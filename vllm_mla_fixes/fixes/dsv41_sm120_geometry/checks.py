@@ -35,10 +35,10 @@ class CachePage:
     kind: CacheKind
     compress_ratio: int
     rows: int  # tokens (states) per page as the kernel sees it
-    owner: Any = dataclasses.field(default=None, compare=False, repr=False)  # the bound layer
+    owner: object = dataclasses.field(default=None, compare=False, repr=False)  # the bound layer
 
 
-def bound_pages(forward_context: dict[str, Any]) -> list[CachePage]:
+def bound_pages(forward_context: dict[str, object]) -> list[CachePage]:
     """Page size of every DeepSeek-V4.1 cache that FlashInfer's SM120 backend or
     the indexer reads, from the views bound to the layers."""
     attention = sys.modules.get(ATTENTION_MODULE)
@@ -116,7 +116,7 @@ def check_page_geometry(pages: Iterable[CachePage], everything: bool = False) ->
     )
 
 
-def drafter_ratio1_layer(forward_context: dict[str, Any]) -> str | None:
+def drafter_ratio1_layer(forward_context: dict[str, object]) -> str | None:
     """The first drafter layer (marked ``is_draft_layer`` by vLLM's
     speculator) that owns or reads a ratio-1 compressed or indexer cache,
     described, or None."""
@@ -134,7 +134,7 @@ def drafter_ratio1_layer(forward_context: dict[str, Any]) -> str | None:
     return None
 
 
-def check_no_split_drafter(forward_context: dict[str, Any]) -> None:
+def check_no_split_drafter(forward_context: dict[str, object]) -> None:
     """With the split bound, raise :class:`PageGeometryError` if a drafter
     layer owns or reads a ratio-1 cache (its writes would take manager-block
     slots); the geometry decision rules this out, this catches anything that
@@ -149,11 +149,11 @@ def check_no_split_drafter(forward_context: dict[str, Any]) -> None:
     )
 
 
-def with_geometry_check(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_geometry_check(original: Callable[..., object]) -> Callable[..., object]:
     @functools.wraps(original)
     def bind_kv_cache_to_layers(
-        kv_caches: Any, forward_context: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
+        kv_caches: object, forward_context: dict[str, object], *args: object, **kwargs: object
+    ) -> object:
         result = original(kv_caches, forward_context, *args, **kwargs)
         check_page_geometry(bound_pages(forward_context))
         if any(layer in STATE.split_layers for layer in forward_context.values()):
@@ -179,7 +179,7 @@ _MERGE_ASSERT_TEXT = "The KV cache specs for the same layer are different"
 def specs_geometry(specs: dict[str, Any]) -> str | None:
     """The DeepSeek-V4.1 geometry one worker's KV-cache specs show (from its
     compressed-KV caches' block sizes), or None where it has none."""
-    blocks: dict[Any, set[int]] = {}
+    blocks: dict[object, set[int]] = {}
     split_aligned = True
     for spec in specs.values():
         if getattr(spec, "model_version", None) != "deepseek_v4":
@@ -237,7 +237,7 @@ def _laid_out_otherwise(decision: Decision, specs: dict[str, Any]) -> list[str]:
     return wrong
 
 
-def check_workers_agree(vllm_config: Any, kv_cache_specs: list[dict[str, Any]]) -> None:
+def check_workers_agree(vllm_config: object, kv_cache_specs: list[dict[str, object]]) -> None:
     """Raise :class:`PageGeometryError` unless every worker's specs lay out
     the engine's decision -- the same pure function of the same engine
     config as each worker's -- naming each worker that does not and what its
@@ -279,11 +279,14 @@ def merges_worker_specs(module_name: str, function: str) -> bool:
     return params == ["vllm_config", "kv_cache_specs"] and _MERGE_ASSERT_TEXT in source
 
 
-def with_workers_agreeing(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_workers_agreeing(original: Callable[..., object]) -> Callable[..., object]:
     @functools.wraps(original)
     def merge_worker_specs(
-        vllm_config: Any, kv_cache_specs: list[dict[str, Any]], *args: Any, **kwargs: Any
-    ) -> Any:
+        vllm_config: object,
+        kv_cache_specs: list[dict[str, object]],
+        *args: object,
+        **kwargs: object,
+    ) -> object:
         check_workers_agree(vllm_config, kv_cache_specs)
         return original(vllm_config, kv_cache_specs, *args, **kwargs)
 

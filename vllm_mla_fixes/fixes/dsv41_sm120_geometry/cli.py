@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_mla_fixes.commands import EXIT_USAGE, PROG, CommandError, exit_codes, logs_to_stderr
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import DOCTOR_JSON_KEY, INFO
@@ -39,12 +39,12 @@ def kernel_disagreements() -> list[str]:
         return [str(d) for d in envelope.disagreements()]
 
 
-def status_json(args: argparse.Namespace) -> dict[str, Any]:
+def status_json(args: argparse.Namespace) -> dict[str, object]:
     """The per-engine decisions taken in this process, and on a release the
     fix covers the installed build's truth table."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_reports
 
-    document: dict[str, Any] = {DOCTOR_JSON_KEY: engine_reports()}
+    document: dict[str, object] = {DOCTOR_JSON_KEY: engine_reports()}
     if _covered_release_installed():
         from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table
 

@@ -122,12 +122,12 @@ class Decision:
         }
 
 
-def decide(vllm_config: Any) -> Decision:
+def decide(vllm_config: object) -> Decision:
     """The decision for an engine configuration (see the module's rule)."""
     return decide_for(engine_config(vllm_config), vllm_config)
 
 
-def decide_for(engine: EngineConfig, vllm_config: Any) -> Decision:
+def decide_for(engine: EngineConfig, vllm_config: object) -> Decision:
     """The decision for ``engine``; ``vllm_config`` is the config it was read
     from, handed to vLLM's spec producers and planner."""
     layout, layout_problem = _upstream_layout(engine)
@@ -174,7 +174,7 @@ def _compressed_ratios(model: ModelLayout) -> tuple[int, ...]:
 
 def _gain_rule(
     engine: EngineConfig,
-    vllm_config: Any,
+    vllm_config: object,
     candidate: Decision,
     layout: upstream.UpstreamLayout,
     evidence: tuple[str, ...],
@@ -230,7 +230,7 @@ def _gain_rule(
 
 def _fix_decision(
     engine: EngineConfig,
-    vllm_config: Any,
+    vllm_config: object,
     geometry: Geometry,
     why: str,
     unit: int,
@@ -266,7 +266,7 @@ def _fix_decision(
 # ------------------------------------------------------------- the candidate
 
 
-def _candidate(engine: EngineConfig, vllm_config: Any) -> tuple[Geometry, str, int]:
+def _candidate(engine: EngineConfig, vllm_config: object) -> tuple[Geometry, str, int]:
     """(geometry, why, interleave unit) of the fix's own layout."""
     unreviewed = _split_unreviewed()
     if unreviewed:
@@ -356,7 +356,7 @@ def _pairing_misfit(model: ModelLayout) -> str | None:
     return None
 
 
-def _pair_unit(engine: EngineConfig, vllm_config: Any) -> tuple[int, str | None]:
+def _pair_unit(engine: EngineConfig, vllm_config: object) -> tuple[int, str | None]:
     """(interleave unit in bytes, None), or (0, why the split does not fit),
     from the specs of the model's ratio-1 compressed and indexer caches."""
     assert engine.model is not None
@@ -415,7 +415,7 @@ def flashinfer_takes_runtime_swa_pages() -> bool:
 
 
 def _drafter_rows(
-    engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int
+    engine: EngineConfig, vllm_config: object, geometry: Geometry, unit: int
 ) -> tuple[int, str]:
     """Rows of a drafter's sliding-window pages (of every layer numbered past
     the backbone) under the fix, and why."""
@@ -449,8 +449,8 @@ def _drafter_rows(
 
 
 def fix_specs(
-    engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int, drafter_rows: int
-) -> dict[str, Any]:
+    engine: EngineConfig, vllm_config: object, geometry: Geometry, unit: int, drafter_rows: int
+) -> dict[str, object]:
     """Every cache's spec under the fix's ``geometry``, as its spec producers
     hand them to vLLM's planner."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.specs import fixed_spec
@@ -473,14 +473,14 @@ def fix_specs(
 
 
 def _fix_tokens(
-    engine: EngineConfig, vllm_config: Any, geometry: Geometry, unit: int, drafter_rows: int
+    engine: EngineConfig, vllm_config: object, geometry: Geometry, unit: int, drafter_rows: int
 ) -> int:
     assert engine.max_model_len is not None
     specs = fix_specs(engine, vllm_config, geometry, unit, drafter_rows)
     return planned_tokens(vllm_config, engine, specs, engine.max_model_len)
 
 
-def upstream_tokens(engine: EngineConfig, vllm_config: Any, block_size: int) -> int:
+def upstream_tokens(engine: EngineConfig, vllm_config: object, block_size: int) -> int:
     """Upstream's KV tokens per GiB at ``block_size``, its sliding-window 32 rows."""
     assert engine.max_model_len is not None
     specs = model_specs.model_specs(vllm_config, engine, block_size, {})

@@ -80,7 +80,7 @@ _TOPOLOGY_FIELDS = (
 )
 
 
-def model_layout(text_config: Any, drafter_config: Any = None) -> ModelLayout:
+def model_layout(text_config: Any, drafter_config: object = None) -> ModelLayout:
     """The layout from a model's (text) config; ``drafter_config``: a DSpark
     drafter's config (its layer count), None without DSpark.  Raises
     :class:`UnreadableModel` naming each missing or malformed field."""
@@ -103,7 +103,7 @@ def model_layout(text_config: Any, drafter_config: Any = None) -> ModelLayout:
     return layout
 
 
-def dspark_layers(drafter_config: Any) -> int:
+def dspark_layers(drafter_config: object) -> int:
     """DSpark's drafter layer count, read as vLLM's DSpark model reads it."""
     for name in ("n_mtp_layers", "num_nextn_predict_layers"):
         value = getattr(drafter_config, name, None)
@@ -162,7 +162,7 @@ OFFLOADING_CONNECTOR = "OffloadingConnector"
 SIMPLE_OFFLOAD_ENV = "VLLM_USE_SIMPLE_KV_OFFLOAD"
 
 
-def kv_connector_name(vllm_config: Any) -> str | None:
+def kv_connector_name(vllm_config: object) -> str | None:
     """The KV connector the engine runs: the configured one, else the one
     ``--kv-offloading-size`` selects (``VllmConfig`` does this itself; a
     serve line read by ``doctor`` has not been through it), else None."""
@@ -179,18 +179,18 @@ def kv_connector_name(vllm_config: Any) -> str | None:
     return OFFLOADING_CONNECTOR
 
 
-def speculative_method(vllm_config: Any) -> str | None:
+def speculative_method(vllm_config: object) -> str | None:
     config = getattr(vllm_config, "speculative_config", None)
     if config is None:
         return None
     return str(getattr(config, "method", None) or "unknown").lower()
 
 
-def _text_config(model_config: Any) -> Any:
+def _text_config(model_config: object) -> object:
     return getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
 
 
-def _drafter_config(vllm_config: Any, text_config: Any) -> Any:
+def _drafter_config(vllm_config: Any, text_config: object) -> object:
     """DSpark's config (its draft model's, else the target's: DSpark ships
     inside the target checkpoint), or None without DSpark."""
     if speculative_method(vllm_config) != DSPARK:
@@ -199,7 +199,7 @@ def _drafter_config(vllm_config: Any, text_config: Any) -> Any:
     return _text_config(draft) or text_config
 
 
-def _layout_of(vllm_config: Any) -> tuple[ModelLayout | None, str]:
+def _layout_of(vllm_config: object) -> tuple[ModelLayout | None, str]:
     text_config = _text_config(getattr(vllm_config, "model_config", None))
     if text_config is None:
         return None, "the engine config has no model config"
@@ -244,7 +244,7 @@ def _kv_record(cache_dtype: str) -> str:
     return str(resolved)
 
 
-def _indexer_fp4(vllm_config: Any) -> bool:
+def _indexer_fp4(vllm_config: object) -> bool:
     """Whether the indexer cache holds MXFP4 rows, by vLLM's own rule (False
     where the config cannot say)."""
     try:
@@ -255,7 +255,7 @@ def _indexer_fp4(vllm_config: Any) -> bool:
         return False
 
 
-def _speculative_tokens(vllm_config: Any) -> int:
+def _speculative_tokens(vllm_config: object) -> int:
     """Tokens drafted per step, as ``VllmConfig`` reports them (the compressor
     state ring is sized from it)."""
     try:
@@ -264,7 +264,7 @@ def _speculative_tokens(vllm_config: Any) -> int:
         return 0
 
 
-def engine_parallel_config(vllm_config: Any) -> Any:
+def engine_parallel_config(vllm_config: object) -> object:
     """The parallel config of the engine ``vllm_config`` belongs to.  DSpark's
     drafter is built under a copy of the engine config whose parallel config
     vLLM sets to one stage and the drafter's TP (``_get_dspark_parallel_config``
@@ -277,7 +277,7 @@ def engine_parallel_config(vllm_config: Any) -> Any:
     return target if target is not None else getattr(vllm_config, "parallel_config", None)
 
 
-def with_pipeline_size(vllm_config: Any, stages: int) -> Any:
+def with_pipeline_size(vllm_config: object, stages: int) -> Any:
     """A shallow copy of ``vllm_config`` whose parallel config (itself a
     copy) has ``stages`` pipeline stages; ``vllm_config`` where it has them."""
     import copy
@@ -292,7 +292,7 @@ def with_pipeline_size(vllm_config: Any, stages: int) -> Any:
     return config
 
 
-def _in_flight_tokens(vllm_config: Any, stages: int) -> int | None:
+def _in_flight_tokens(vllm_config: object, stages: int) -> int | None:
     """vLLM's own ``max_in_flight_tokens`` for the engine's pipeline stages
     (None where the config cannot say)."""
     try:
@@ -301,7 +301,7 @@ def _in_flight_tokens(vllm_config: Any, stages: int) -> int | None:
         return None
 
 
-def engine_config(vllm_config: Any) -> EngineConfig:
+def engine_config(vllm_config: object) -> EngineConfig:
     """The record of ``vllm_config``; any part vLLM cannot give counts as unset."""
     cache = getattr(vllm_config, "cache_config", None)
     parallel = engine_parallel_config(vllm_config)

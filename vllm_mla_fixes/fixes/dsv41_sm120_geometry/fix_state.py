@@ -61,17 +61,17 @@ class FixState:
         # The DeepSeek-V4.1 backend classes whose kernel block sizes the fix declares.
         self.backends: tuple[type, ...] = ()
         # Layers the fix gave page rows to (rows each must be bound with).
-        self.page_rows: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.page_rows: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
         # Layers whose ratio-1 specs the split changed.
-        self.split_layers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.split_layers: weakref.WeakSet[object] = weakref.WeakSet()
         # (backend class, spec) of attention groups bound to interleaved pages.
-        self.interleaved: dict[tuple[type, Any], InterleavedPlacement] = {}
+        self.interleaved: dict[tuple[type, object], InterleavedPlacement] = {}
         # (device, data pointer, shape, strides) of every interleaved view.
-        self.pair_regions: dict[tuple[Any, ...], PairRegion] = {}
+        self.pair_regions: dict[tuple[object, ...], PairRegion] = {}
         # Live specs that differ from the model's described ones, per engine.
         self.spec_mismatches: dict[EngineConfig, tuple[str, ...]] = {}
 
-    def decision_for(self, vllm_config: Any) -> Decision:
+    def decision_for(self, vllm_config: object) -> Decision:
         """The decision of the engine ``vllm_config`` belongs to; decided (and
         logged once) the first time that engine is seen."""
         engine = engine_config(vllm_config)
@@ -138,6 +138,6 @@ def interleaved_placement(group: Any) -> InterleavedPlacement | None:
     return STATE.interleaved.get((group.backend, group.kv_cache_spec))
 
 
-def view_key(view: Any) -> tuple[Any, ...]:
+def view_key(view: Any) -> tuple[object, ...]:
     """What identifies a view of an interleaved cache (no tensor is kept alive)."""
     return (view.device, view.data_ptr(), tuple(view.shape), tuple(view.stride()))

@@ -82,9 +82,9 @@ def _import(module_name: str) -> Any:
     return importlib.import_module(module_name)
 
 
-def _unwrapped(cls: type) -> Callable[..., Any]:
+def _unwrapped(cls: type) -> Callable[..., object]:
     """``cls.get_kv_cache_spec`` as vLLM wrote it (the fix may wrap it)."""
-    function = cast("Callable[..., Any]", cls.__dict__["get_kv_cache_spec"])
+    function = cast("Callable[..., object]", cls.__dict__["get_kv_cache_spec"])
     while hasattr(function, "__wrapped__"):
         function = function.__wrapped__
     return function
@@ -96,14 +96,14 @@ class Records:
     ``__init__`` derives, for the engine's cache dtype and platform."""
 
     kv_cache_dtype: str
-    torch_dtype: Any
+    torch_dtype: object
     swa_bytes: int
     compressed_bytes: int
     page_alignment: int
     swa_block_stride_alignment: int | None
 
 
-def records(engine: EngineConfig, cache_config: Any) -> Records:
+def records(engine: EngineConfig, cache_config: object) -> Records:
     attention = _import(ATTENTION_MODULE)
     cls = getattr(_import(FLASHINFER_MODULE), SM12X_ATTENTION)
     blank = object.__new__(cls)  # for the class's own properties; no __init__ runs
@@ -123,7 +123,7 @@ def records(engine: EngineConfig, cache_config: Any) -> Records:
 
 
 def _descriptions(
-    engine: EngineConfig, model: ModelLayout, cache_config: Any, swa_rows: Mapping[int, int]
+    engine: EngineConfig, model: ModelLayout, cache_config: object, swa_rows: Mapping[int, int]
 ) -> dict[str, tuple[Any, SimpleNamespace]]:
     """name -> (the cache's class, its description) for every cache."""
     attention = _import(ATTENTION_MODULE)
@@ -134,7 +134,7 @@ def _descriptions(
     cls = getattr(_import(FLASHINFER_MODULE), SM12X_ATTENTION)
     indexer_row = attention._indexer_k_cache_head_dim(model.index_head_dim, engine.indexer_fp4)
     ring_rows = max(8, 1 << (engine.speculative_tokens + 1).bit_length())
-    described: dict[str, tuple[Any, SimpleNamespace]] = {}
+    described: dict[str, tuple[object, SimpleNamespace]] = {}
     for cache in caches(model):
         if cache.kind is CacheKind.SLIDING_WINDOW:
             described[cache.name] = (
@@ -190,13 +190,13 @@ def _descriptions(
     return described
 
 
-def _float32() -> Any:
+def _float32() -> object:
     import torch
 
     return torch.float32
 
 
-def _uint8() -> Any:
+def _uint8() -> object:
     import torch
 
     return torch.uint8
@@ -213,8 +213,8 @@ def with_block_size(vllm_config: Any, block_size: int) -> Any:
 
 
 def model_specs(
-    vllm_config: Any, engine: EngineConfig, block_size: int, swa_rows: Mapping[int, int]
-) -> dict[str, Any]:
+    vllm_config: object, engine: EngineConfig, block_size: int, swa_rows: Mapping[int, int]
+) -> dict[str, object]:
     """Upstream's spec of every cache of the full model at ``block_size``,
     with the sliding-window caches of ``swa_rows`` (layer -> rows; others 32),
     from vLLM's own spec producers; also the backends, for layout resolution."""
@@ -235,7 +235,7 @@ def backends(vllm_config: Any, engine: EngineConfig) -> list[type]:
 
 
 def mismatch(
-    vllm_config: Any, engine: EngineConfig, layer: int, kind: CacheKind, spec: Any
+    vllm_config: Any, engine: EngineConfig, layer: int, kind: CacheKind, spec: object
 ) -> str | None:
     """How the live ``spec`` of ``layer``'s ``kind`` cache (as vLLM's own
     producer gave it) differs from its description, or None where they agree."""

@@ -35,8 +35,8 @@ def _planner() -> Any:
 
 
 def _planning_config(
-    vllm_config: Any, engine: EngineConfig, specs: Mapping[str, Any], max_model_len: int
-) -> Any:
+    vllm_config: Any, engine: EngineConfig, specs: Mapping[str, object], max_model_len: int
+) -> object:
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,
         resolve_kv_cache_layout,
@@ -60,7 +60,7 @@ def _planning_config(
 
 
 def planned_tokens(
-    vllm_config: Any, engine: EngineConfig, specs: Mapping[str, Any], max_model_len: int
+    vllm_config: object, engine: EngineConfig, specs: Mapping[str, object], max_model_len: int
 ) -> int:
     """KV tokens per GiB of the layout ``specs`` (every cache of the model)
     at ``max_model_len``, as vLLM's planner reports its capacity."""

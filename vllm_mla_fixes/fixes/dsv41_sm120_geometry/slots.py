@@ -16,7 +16,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
     PageGeometryError,
 )
 
-SLOT_BUFFERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+SLOT_BUFFERS: weakref.WeakKeyDictionary[object, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def slot_buffers(builder: Any) -> tuple[Any, Any]:
@@ -60,9 +60,11 @@ def kernel_slots(group: Any, slot_mapping: Any, ubatch_idx: int = 0) -> Any:
     return torch.add(slot_mapping, block, alpha=shift, out=slots[:n])
 
 
-def with_kernel_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_kernel_slots(original: Callable[..., Any]) -> Callable[..., object]:
     @functools.wraps(original)
-    def _with_kernel_block_table(self: Any, common_attn_metadata: Any, ubatch_idx: int = 0) -> Any:
+    def _with_kernel_block_table(
+        self: object, common_attn_metadata: object, ubatch_idx: int = 0
+    ) -> object:
         metadata = original(self, common_attn_metadata, ubatch_idx)
         if interleaved_placement(self) is None:
             return metadata

@@ -24,7 +24,7 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import CacheKind, Geometry
 
 
-def per_ratio_spec(spec: Any) -> Any:
+def per_ratio_spec(spec: Any) -> object:
     """``spec`` with ``64 x tokens_per_state`` tokens per block, so that a page
     holds 64 states.  ``page_size_padded`` is recomputed from the new page
     (``replace`` would keep the old block size's padding)."""
@@ -37,11 +37,11 @@ def per_ratio_spec(spec: Any) -> Any:
     return dataclasses.replace(spec, block_size=block_size, page_size_padded=None)
 
 
-def split_spec(spec: Any, unit: int) -> Any:
+def split_spec(spec: Any, unit: int) -> object:
     """``spec`` with 128-token manager blocks; a ratio-1 spec also asks the
     planner for a block stride that is a whole number of interleave units
     (set before ``customize_attention_spec``, which fills it only when empty)."""
-    changes: dict[str, Any] = {"block_size": SPLIT_MANAGER_BLOCK, "page_size_padded": None}
+    changes: dict[str, object] = {"block_size": SPLIT_MANAGER_BLOCK, "page_size_padded": None}
     if spec.tokens_per_state == 1:
         current = spec.block_stride_alignment
         if current is not None and not isinstance(current, int):
@@ -54,7 +54,7 @@ def split_spec(spec: Any, unit: int) -> Any:
     return dataclasses.replace(spec, **changes)
 
 
-def fixed_spec(spec: Any, geometry: Geometry, unit: int) -> Any:
+def fixed_spec(spec: object, geometry: Geometry, unit: int) -> object:
     """A compressed-KV or indexer-K spec as the fix lays it out under ``geometry``."""
     if geometry is Geometry.SPLIT:
         return split_spec(spec, unit)
@@ -63,12 +63,12 @@ def fixed_spec(spec: Any, geometry: Geometry, unit: int) -> Any:
     return spec
 
 
-def wrap_spec_producer(cls: type) -> Callable[..., Any]:
+def wrap_spec_producer(cls: type) -> Callable[..., object]:
     """``cls.get_kv_cache_spec`` laying out its engine's decision."""
     original = cls.__dict__["get_kv_cache_spec"]
 
     @functools.wraps(original)
-    def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
+    def get_kv_cache_spec(self: object, vllm_config: object) -> object:
         spec = original(self, vllm_config)
         if spec is None:
             return None
@@ -85,7 +85,7 @@ def wrap_spec_producer(cls: type) -> Callable[..., Any]:
     return get_kv_cache_spec
 
 
-def _compare_with_description(layer: Any, spec: Any, vllm_config: Any) -> None:
+def _compare_with_description(layer: object, spec: object, vllm_config: object) -> None:
     """Name a live spec that differs from the one the decision planned with."""
     number = _layer_number(getattr(layer, "prefix", None))
     if number is None:
@@ -100,7 +100,7 @@ def _compare_with_description(layer: Any, spec: Any, vllm_config: Any) -> None:
         STATE.note_mismatch(engine, found)
 
 
-def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod[..., Any]:
+def per_spec_kernel_block_sizes(original: Callable[..., object]) -> staticmethod[..., object]:
     """The backend's kernel block sizes for a spec, a function of the spec
     alone (vLLM asks with no engine config in view): 64-state pages wherever
     the spec's block holds whole 64-state pages -- every layout the fix lays
@@ -109,7 +109,7 @@ def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod[..
     tests hold every working upstream layout to it) -- else upstream's own
     answer, as with no spec in view."""
 
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> Any:
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> object:
         states = getattr(kv_cache_spec, "tokens_per_state", None)
         if not isinstance(states, int) or states < 1:
             return original(kv_cache_spec)
@@ -121,7 +121,7 @@ def per_spec_kernel_block_sizes(original: Callable[..., Any]) -> staticmethod[..
     return staticmethod(get_supported_kernel_block_sizes)
 
 
-def _layer_number(prefix: Any) -> int | None:
+def _layer_number(prefix: object) -> int | None:
     """``N`` of a ``...layers.N.<module>`` prefix, by vLLM's own parser, or None."""
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -131,12 +131,12 @@ def _layer_number(prefix: Any) -> int | None:
         return None
 
 
-def swa_cache_with_decided_rows(cache_class: type) -> Callable[..., Any]:
+def swa_cache_with_decided_rows(cache_class: type) -> Callable[..., object]:
     """Stands in for the class name inside ``deepseek_v41.attention`` only, so
     DeepSeek-V4.0 (which shares the class) is not touched: each cache gets
     its engine's sliding-window rows (upstream's 32 where the fix steps aside)."""
 
-    def build_swa_cache(*args: Any, **kwargs: Any) -> Any:
+    def build_swa_cache(*args: object, **kwargs: object) -> object:
         if kwargs.get("block_size") != UPSTREAM_SWA_BLOCK:
             return cache_class(*args, **kwargs)
         from vllm.config import get_current_vllm_config
@@ -157,7 +157,7 @@ def swa_cache_with_decided_rows(cache_class: type) -> Callable[..., Any]:
     return build_swa_cache
 
 
-def warmup_keys_with_64_state_pages(original: Callable[..., Any]) -> Callable[..., Any]:
+def warmup_keys_with_64_state_pages(original: Callable[..., Any]) -> Callable[..., object]:
     """Also warm the compressed-slot-mapping kernel for the block size it
     really sees (the states per page, 64), not ``--block-size // ratio`` --
     for the compress ratios of the DeepSeek-V4.1 caches the engine's decision
@@ -165,7 +165,7 @@ def warmup_keys_with_64_state_pages(original: Callable[..., Any]) -> Callable[..
     of ratio 32) keeps upstream's keys."""
 
     @functools.wraps(original)
-    def get_warmup_keys(self: Any, vllm_config: Any) -> list[Any]:
+    def get_warmup_keys(self: Any, vllm_config: object) -> list[object]:
         keys = list(original(self, vllm_config))
         owned = _owned_ratios(vllm_config)
         extra = [
@@ -183,7 +183,7 @@ def warmup_keys_with_64_state_pages(original: Callable[..., Any]) -> Callable[..
     return get_warmup_keys
 
 
-def _owned_ratios(vllm_config: Any) -> tuple[int, ...]:
+def _owned_ratios(vllm_config: object) -> tuple[int, ...]:
     """Compress ratios > 1 of the caches the engine's decision lays out."""
     engine = engine_config(vllm_config)
     if engine.model is None or not STATE.decision_for(vllm_config).applies:

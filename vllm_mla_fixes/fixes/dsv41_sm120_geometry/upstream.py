@@ -181,7 +181,7 @@ def page_verdicts(
     return tuple(rejected), tuple(unknown)
 
 
-def for_config(vllm_config: Any) -> UpstreamLayout:
+def for_config(vllm_config: object) -> UpstreamLayout:
     """Upstream's layout for the engine configuration's ``--block-size`` (or
     the size vLLM picks when the line gives none)."""
     declared = declared_kernel_blocks()

@@ -104,7 +104,7 @@ def interleave_plan(
     return unit, block_stride // unit, plan
 
 
-def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str, Any]:
+def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str, object]:
     import torch
 
     unit, stride_pages, plan = interleave_plan(kv_caches, groups)
@@ -135,9 +135,9 @@ def _interleaved_views(kv_caches: dict[str, Any], groups: list[Any]) -> dict[str
     return views
 
 
-def with_interleaved_ratio1_views(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_interleaved_ratio1_views(original: Callable[..., Any]) -> Callable[..., object]:
     @functools.wraps(original)
-    def map_kv_caches_to_kernel_blocks(kv_caches: dict[str, Any], attn_groups: Any) -> Any:
+    def map_kv_caches_to_kernel_blocks(kv_caches: dict[str, object], attn_groups: Any) -> object:
         attn_groups = list(attn_groups)
         split = [group for group in attn_groups if is_split_ratio1(group)]
         rest = [group for group in attn_groups if not any(group is s for s in split)]
@@ -150,7 +150,7 @@ def with_interleaved_ratio1_views(original: Callable[..., Any]) -> Callable[...,
     return map_kv_caches_to_kernel_blocks
 
 
-def with_pair_manager_view(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_pair_manager_view(original: Callable[..., object]) -> Callable[..., object]:
     """vLLM views a split group's bound cache as manager blocks to zero newly
     allocated blocks (``KVBlockZeroer``), assuming a block's kernel pages are
     contiguous.  For an interleaved cache the view is the whole pair region of
@@ -158,7 +158,7 @@ def with_pair_manager_view(original: Callable[..., Any]) -> Callable[..., Any]:
     clears exactly the ratio-1 pages it holds."""
 
     @functools.wraps(original)
-    def map_kv_cache_to_manager_blocks(self: Any, kv_cache: Any, num_blocks: int) -> Any:
+    def map_kv_cache_to_manager_blocks(self: Any, kv_cache: Any, num_blocks: int) -> object:
         placement = interleaved_placement(self)
         if placement is None:
             return original(self, kv_cache, num_blocks)
@@ -177,7 +177,7 @@ def with_pair_manager_view(original: Callable[..., Any]) -> Callable[..., Any]:
     return map_kv_cache_to_manager_blocks
 
 
-def with_pair_region_copies(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_pair_region_copies(original: Callable[..., object]) -> Callable[..., object]:
     """vLLM copies a block for a partial prefix-cache hit through the whole
     allocation when the allocation is exactly ``num_blocks`` blocks, and
     otherwise through each cache's own view (an extensible or padded
@@ -190,8 +190,8 @@ def with_pair_region_copies(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def copy_kv_cache_blocks_inplace(
-        kv_caches: Any, num_blocks: int, kv_cache_block_copies: Any
-    ) -> Any:
+        kv_caches: Any, num_blocks: int, kv_cache_block_copies: object
+    ) -> object:
         if STATE.pair_regions and kv_cache_block_copies:
             kv_caches = [_pair_region_view(cache, num_blocks) for cache in kv_caches]
         return original(kv_caches, num_blocks, kv_cache_block_copies)
@@ -199,7 +199,7 @@ def with_pair_region_copies(original: Callable[..., Any]) -> Callable[..., Any]:
     return copy_kv_cache_blocks_inplace
 
 
-def _pair_region_view(cache: Any, num_blocks: int) -> Any:
+def _pair_region_view(cache: Any, num_blocks: int) -> object:
     placement = STATE.pair_regions.get(view_key(cache))
     if placement is None:
         return cache

@@ -28,7 +28,7 @@ from .model import (
 )
 
 
-def _flashinfer_dsv4_config() -> tuple[Any, Declaration]:
+def _flashinfer_dsv4_config() -> tuple[object, Declaration]:
     """FlashInfer's own decode envelope for the DeepSeek-V4 (584-B record)
     family, and where its config function is defined."""
     what = "flashinfer.mla.supported_sparse_mla_sm120_configs()['dsv4']"
@@ -189,7 +189,7 @@ def _flashinfer_0_7_0_prefill(root: Path, dtypes: tuple[str, ...]) -> dict[str, 
 
 
 def _flashinfer_runtime_pages(
-    root: Path, config: Any, source: Declaration
+    root: Path, config: object, source: Declaration
 ) -> dict[str, KernelEnvelope]:
     """FlashInfer 0.7.2.post1 and later: one resolver checks both caches of
     decode and prefill against ``main_page_supported``."""

@@ -106,7 +106,7 @@ def _evaluate(node: ast.AST, capability: tuple[int, int]) -> Any:
     raise _NotEvaluable(ast.unparse(node))
 
 
-def _returned(body: list[ast.stmt], capability: tuple[int, int]) -> Any:
+def _returned(body: list[ast.stmt], capability: tuple[int, int]) -> object:
     for statement in body:
         if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
             continue  # docstring

@@ -195,7 +195,7 @@ class DSparkConfig(SimpleNamespace):
     ``use_dspark()``, ...) are the release's own methods, run on these fields
     (building the real one needs the drafter's model config)."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         from vllm.config import SpeculativeConfig
 
         method = getattr(SpeculativeConfig, name)
@@ -374,7 +374,7 @@ class Layout:
     caches: dict[str, CacheLayer]
     readers: dict[int, Any]  # layer -> SM120 attention object whose methods read its caches
     kv_cache_config: Any
-    attn_groups: list[list[Any]]
+    attn_groups: list[list[object]]
     kernel_block_sizes: list[int]
     guard_error: str | None  # vLLM's refusal to map a split, if any
     storage: torch.Tensor  # the whole KV allocation, flat uint8
@@ -475,7 +475,7 @@ def _new_sm120_attention(
 
 def _make_caches(
     model: TinyModel, cfg: SimpleNamespace, device: torch.device, records: KvRecords
-) -> tuple[dict[str, CacheModule], dict[int, Any]]:
+) -> tuple[dict[str, CacheModule], dict[int, object]]:
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -485,8 +485,8 @@ def _make_caches(
     )
 
     caches: dict[str, CacheModule] = {}
-    readers: dict[int, Any] = {}
-    packing: dict[str, Any] = {
+    readers: dict[int, object] = {}
+    packing: dict[str, object] = {
         "packed_bytes_per_token": records.swa_bytes_per_token,
         "packed_page_alignment": records.page_alignment,
     }
@@ -619,10 +619,10 @@ def _attention_groups(
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import AttentionGroup
 
-    attn_groups: list[list[Any]] = []
+    attn_groups: list[list[object]] = []
     grouping: dict[str, CacheGrouping] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        keyed: dict[tuple[str, Any], Any] = {}  # (backend, spec) -> AttentionGroup
+        keyed: dict[tuple[str, object], Any] = {}  # (backend, spec) -> AttentionGroup
         for name in group.layer_names:
             backend = modules[name].backend
             spec = group.kv_cache_spec

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -62,7 +61,7 @@ class DecodeTiming:
 
     baseline: str | None  # UPSTREAM or DENSE; None where nothing was timed
     note: str | None = None  # why not timed, or what stands instead
-    work: dict[str, dict[str, Any]] = field(default_factory=dict)  # per kernel, both sides
+    work: dict[str, dict[str, object]] = field(default_factory=dict)  # per kernel, both sides
     kernels: dict[str, KernelTiming] = field(default_factory=dict)
 
     @classmethod

@@ -277,14 +277,14 @@ class ReplayView:
     positions: torch.Tensor
     slots: torch.Tensor
     kv_start: list[int]
-    metadata: dict[str, Any]
+    metadata: dict[str, object]
 
     def token_ranges(self) -> list[tuple[int, int]]:
         qsl = self.query_start_loc.tolist()
         return list(zip(qsl[:-1], qsl[1:]))
 
 
-def _kwargs_supported(func: Callable[..., object], **candidates: object) -> dict[str, Any]:
+def _kwargs_supported(func: Callable[..., object], **candidates: object) -> dict[str, object]:
     params = inspect.signature(func).parameters
     return {k: v for k, v in candidates.items() if k in params}
 
@@ -345,7 +345,7 @@ class Worker:
         self.rows: dict[str, int] = {}
         # Decoder replay's copies of the attention groups (the replayed layers', the
         # first SWA layer's), made once as DeepseekV41ModelState makes them.
-        self.replay_groups: tuple[list[list[Any]], list[list[Any]]] | None = None
+        self.replay_groups: tuple[list[list[object]], list[list[object]]] | None = None
 
     # ---------------------------------------------------------------- a step
 
@@ -455,7 +455,7 @@ class Worker:
 
     def _build(
         self,
-        attn_groups: list[list[Any]],  # vLLM's AttentionGroups, per KV-cache group
+        attn_groups: list[list[object]],  # vLLM's AttentionGroups, per KV-cache group
         batch: Batch,
         num_reqs: int,
         num_tokens: int,
@@ -463,14 +463,14 @@ class Worker:
         positions: torch.Tensor,
         slots: torch.Tensor,
         replay: object,  # vLLM's ReplayAttnMetadata
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 
         lens = batch.seq_lens[:num_reqs]
         query_lens = (qsl[1 : num_reqs + 1] - qsl[:num_reqs]).tolist()
         is_prefilling = torch.tensor(batch.prefilling, device=self.layout.device)
         return cast(
-            "dict[str, Any]",
+            "dict[str, object]",
             build_attn_metadata(
                 attn_groups=attn_groups,
                 num_reqs=num_reqs,
