@@ -88,12 +88,12 @@ def shared_tests_reading_every_fix() -> set[str]:
                     derived.add(node.name)
             elif isinstance(node, ast.Assign) and read & derived:
                 derived |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-                read |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+        for test in ast.walk(tree):
+            if isinstance(test, ast.FunctionDef) and test.name.startswith("test_"):
+                read = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+                read |= {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)}
                 if read & derived:
-                    found.add(f"{path.relative_to(ROOT)}::{node.name}")
+                    found.add(f"{path.relative_to(ROOT)}::{test.name}")
     return found
 
 
