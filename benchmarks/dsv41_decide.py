@@ -28,11 +28,11 @@ def main() -> None:
 
     import vllm
 
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import simulated
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
-    dspark = capacity.speculative_config_as_written(capacity.DSPARK_OPTIONS)
+    dspark = simulated.speculative_config_as_written(capacity.DSPARK_OPTIONS)
     lines = {
         "--block-size 64": (64, None, ()),
         "--block-size 128": (128, None, ()),
@@ -42,12 +42,12 @@ def main() -> None:
     print(f"vLLM {vllm.__version__}: one decide() per engine, DeepSeek-V4.1-Flash, SM120, CPU")
     print("| line | calls | first (ms) | median of the rest (ms) | decision |")
     print("|---|---|---|---|---|")
-    with repro.sm120_platform():
+    with simulated.sm120_platform():
         for name, (block_size, speculative, drafters) in lines.items():
-            config = repro.make_vllm_config(block_size)
+            config = simulated.make_vllm_config(block_size)
             if speculative is not None:
                 object.__setattr__(config, "speculative_config", speculative)
-            repro.attach_model(config, repro.DSV41_FLASH, drafters)
+            simulated.attach_model(config, simulated.DSV41_FLASH, drafters)
             timings = []
             for _ in range(args.calls):
                 start = time.perf_counter()

@@ -31,6 +31,7 @@ def main() -> None:
 
     import vllm
 
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry import simulated
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import truth_table as table
@@ -38,10 +39,10 @@ def main() -> None:
     lens = tuple(args.max_model_len)
     rows = capacity.benchmark_rows(lens)
     # The kernel blocks vLLM's backends declare depend on the device.
-    with repro.sm120_platform():
+    with simulated.sm120_platform():
         best = {
             count: table.best_working_upstream(
-                (12, 0), repro.EngineSettings(drafter_ratios=(0,) * count), lens
+                (12, 0), simulated.EngineSettings(drafter_ratios=(0,) * count), lens
             )
             for count in sorted({row.drafter_layers for row in rows})
         }

@@ -17,7 +17,7 @@ import timeit
 
 def main() -> None:
     from vllm_mla_fixes.fixes import fa4_compile_strides as fix
-    from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
+    from vllm_mla_fixes.reproductions import fa4_on_cpu as repro
 
     env = repro.prepare()
     utils = importlib.import_module(fix.UTILS_MODULE)

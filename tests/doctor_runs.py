@@ -67,3 +67,14 @@ def serve_of(line: list[str]):
 
     with serve_line.cuda_device_type_while_parsing():
         return doctor.serve_of(serve_line.line_arguments(line), serve_line.parse(line))
+
+
+def predict_line(line: list[str], model_config: dict | None = None):
+    """The DeepSeek-V4.1 prediction doctor makes for ``line`` (its one parse,
+    :func:`serve_of`), with ``model_config`` as the config.json doctor read:
+    None for none (the prediction then takes DeepSeek-V4.1-Flash's figures)."""
+    import dataclasses
+
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.prediction import predict
+
+    return predict(dataclasses.replace(serve_of(line), model_config=model_config or {}))

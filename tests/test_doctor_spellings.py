@@ -11,7 +11,6 @@ vLLM's parser and ``doctor.serve_of``, as ``doctor`` calls them."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -157,7 +156,7 @@ def _canonical_fields(chosen: str) -> dict:
 
 
 def _fields(line: list[str]) -> dict:
-    fields = dataclasses.asdict(serve_of(line))
+    fields = serve_of(line).reported()
     del fields["raw"]  # the line as given, the one field that is its spelling
     return fields
 

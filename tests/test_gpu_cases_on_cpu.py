@@ -122,13 +122,13 @@ def test_fa4_probe_without_a_verdict_fails_the_fixture():
 
 _FA4_THROUGH_SITECUSTOMIZE = """
 import json
-from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
-env = repro.prepare()                      # imports FA4's interface: the probe wraps it
+from vllm_mla_fixes.reproductions import fa4_compile_strides as repro, fa4_on_cpu
+env = fa4_on_cpu.prepare()                 # imports FA4's interface: the probe wraps it
 forward = env.interface._flash_attn_fwd
 wrapped = hasattr(forward, "__wrapped__")
 fix = repro.apply_fix(env)                 # replaces the compile cache on the wrapper
-decision = repro.plan(env, repro.Step((300,), (8192,)))
-looked_up = repro.forward_cache(env).looked_up
+decision = fa4_on_cpu.plan(env, fa4_on_cpu.Step((300,), (8192,)))
+looked_up = fa4_on_cpu.forward_cache(env).looked_up
 print(json.dumps({"wrapped": wrapped, "fix": fix, "splits": decision.num_splits,
                   "key_looked_up_in_fixed_cache": decision.key is not None and bool(looked_up)}))
 """

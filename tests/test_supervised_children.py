@@ -41,7 +41,7 @@ SUPERVISED = {
     "fixes/dsv41_sm120_geometry/selftest/isolation.py": (
         "multiprocessing workers: lead_group_and_watch, registered, ended by supervised()"
     ),
-    "reproductions/fa4_compile_strides.py": (
+    "reproductions/fa4_on_cpu.py": (
         "os.fork inside the reproduction's interpreter, which children.run started as a group "
         "leader: the fork is in that group and ended with it"
     ),

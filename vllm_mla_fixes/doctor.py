@@ -10,6 +10,7 @@ config classes.  It never raises: bad input gets one clear line.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import enum
 import importlib
@@ -238,11 +239,13 @@ def _model(model: str | None) -> tuple[dict[str, Any], list[str], str]:
 
 
 def serve_of(argv: list[str], args: argparse.Namespace) -> ServeLine:
-    """The settings that matter to the known failures, as ``vllm serve``
-    reads them: ``args`` is the namespace its own parser built from ``argv``
+    """The line as every fix's ``diagnose`` reads it: ``args`` is the
+    namespace ``vllm serve``'s own parser built from ``argv``
     (``serve_line.parse``), so every spelling it accepts (abbreviations,
     underscores, ``-ac``, ``--group.key value``, ``--config`` YAML) means the
-    same here.  Config options are the settings the line changes from what
+    same here; the settings that matter to the known failures are read from
+    it, and it is kept whole for a fix that builds vLLM's configs from it.
+    Config options are the settings the line changes from what
     ``vllm serve`` alone gets, whichever form the release's parser gives them
     (a dict, or vLLM's config dataclass)."""
     from vllm_mla_fixes import serve_line
@@ -277,6 +280,7 @@ def serve_of(argv: list[str], args: argparse.Namespace) -> ServeLine:
         decode_context_parallel_size=_option(args, "decode_context_parallel_size") or 1,
         prefill_context_parallel_size=_option(args, "prefill_context_parallel_size") or 1,
         raw=argv,
+        namespace=args,
         model_source=source,
     )
 
@@ -400,11 +404,15 @@ def check_with_vllm(
             args = serve_line.parse(argv)
             if not serve_line.model_given(argv, args):
                 raise DoctorInputError(_no_model(serve_line.default_model()))
-            built = serve_line.check_configs(args)
-            serve_line.check_engine_args(args)
+            # vLLM's checks change the objects they are given (its engine config
+            # turns the line's KV transfer config into the offloading connector's):
+            # they read a copy, and the namespace stays as the parser built it
+            copied = copy.deepcopy(args)
+            built = serve_line.check_configs(copied)
+            serve_line.check_engine_args(copied)
             local_model = serve_line.names_local_model(args.model)
             if local_model:
-                serve_line.check_engine_config(args)
+                serve_line.check_engine_config(copied)
         except serve_line.Rejected as exc:
             if args is not None and _offline(exc):
                 return _offline_finding(argv, args.model), args
@@ -598,7 +606,7 @@ def report(
                 {
                     "vllm_mla_fixes": __version__,
                     "environment": dataclasses.asdict(env),
-                    "serve": dataclasses.asdict(serve) if serve else None,
+                    "serve": serve.reported() if serve else None,
                     "findings": [dataclasses.asdict(f) for f in findings],
                     **json_facts(findings),
                     "verdict": judged.label,

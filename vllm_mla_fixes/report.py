@@ -6,6 +6,7 @@ modules and ``doctor`` both import it, and it imports neither.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import shlex
@@ -111,9 +112,11 @@ class Environment:
 
 @dataclasses.dataclass
 class ServeLine:
-    """The serve line's settings the fixes judge, as ``vllm serve``'s own
-    parser reads them (``doctor.serve_of``): one meaning for every spelling it
-    accepts.  The config options hold what the line changes from the defaults."""
+    """The serve line as ``vllm serve``'s own parser reads it, parsed once by
+    doctor (``doctor.serve_of``): the settings the fixes judge, one meaning for
+    every spelling it accepts (the config options hold what the line changes
+    from the defaults), and the parser's namespace itself, for a fix that
+    builds vLLM's own configs from the line."""
 
     model: str | None
     architectures: list[str]
@@ -133,7 +136,18 @@ class ServeLine:
     decode_context_parallel_size: int
     prefill_context_parallel_size: int
     raw: list[str]
+    # The namespace the parser built, as it built it (vLLM's checks read a
+    # copy); vLLM's objects, so not in doctor --json's ``serve`` (:meth:`reported`).
+    namespace: argparse.Namespace = dataclasses.field(repr=False, compare=False)
     model_source: str = ""  # where ``architectures`` come from
+
+    def reported(self) -> dict[str, Any]:
+        """``doctor --json``'s ``serve`` object: every field but the namespace."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name != "namespace"
+        }
 
     def known_model(self) -> bool:
         """An MLA model, whose failures this package's fixes know."""

@@ -9,14 +9,17 @@ reported in their own words: the line that ``vllm serve`` prints before it
 exits, the config class's validation message with the flag it came from, or
 what the engine arguments raise.
 
-Only this module and the DeepSeek-V4.1 prediction import vLLM's argument
-parsers: they cost seconds, so nothing here runs at import time.
+Only this module imports vLLM's argument parsers: they cost seconds, so
+nothing here runs at import time.  ``doctor`` parses the line once
+(:func:`parse`); what reads further builds on that namespace
+(:func:`engine_args`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import io
@@ -307,8 +310,10 @@ def _raised(exc: Exception) -> str:
     return "; ".join(said)
 
 
-def engine_args(serve_argv: list[str]) -> Any:
-    """``AsyncEngineArgs`` from ``vllm serve``'s own parser."""
+def engine_args(args: argparse.Namespace) -> Any:  # an AsyncEngineArgs
+    """``AsyncEngineArgs`` from the namespace ``vllm serve``'s parser built
+    (:func:`parse`), as ``vllm serve`` builds them next; from a copy, since
+    vLLM's config classes change the objects they are given."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs.from_cli_args(parse(serve_argv))
+    return AsyncEngineArgs.from_cli_args(copy.deepcopy(args))

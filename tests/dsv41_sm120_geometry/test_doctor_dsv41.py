@@ -13,7 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from doctor_runs import accepted_by_vllm, findings_of, run_doctor
+from doctor_runs import accepted_by_vllm, findings_of, predict_line, run_doctor
 from fix_releases import covered, newest, oldest
 
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
@@ -136,12 +136,11 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     config (``diagnose`` runs the same prediction in its own process)."""
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as dsv41
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as dsv41_doctor
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.prediction import predict
 
     model = str(ROOT / "vllm_mla_fixes" / "models" / "tiny_deepseek_v41")
 
     def geometry_line(*flags: str) -> str:
-        predicted = predict(["vllm", "serve", model, *flags])
+        predicted = predict_line(["vllm", "serve", model, *flags])
         (line,) = [
             f.message
             for f in dsv41_doctor.prediction_findings(predicted)
@@ -165,9 +164,9 @@ def test_dsv41_diagnosis_names_the_geometry_a_line_gets():
     # vLLM's own checks speak for a line it would refuse: its config, and its
     # planner (DeepSeek-V4.1's sliding-window caches cannot take DCP)
     with pytest.raises(ValueError, match="tp_size=1 must be divisible by dcp_size=2"):
-        predict(["vllm", "serve", model, "-dcp", "2"])
+        predict_line(["vllm", "serve", model, "-dcp", "2"])
     with pytest.raises(AssertionError, match="DCP not support sliding window"):
-        predict(["vllm", "serve", model, "-tp", "2", "-dcp", "2"])
+        predict_line(["vllm", "serve", model, "-tp", "2", "-dcp", "2"])
 
 
 @pytest.mark.vllm_release(newest(DSV41))

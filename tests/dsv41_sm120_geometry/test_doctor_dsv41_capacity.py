@@ -23,11 +23,11 @@ import re
 from pathlib import Path
 
 import pytest
+from doctor_runs import predict_line
 from fix_releases import covered
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import doctor as fix_doctor
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import INFO as DSV41
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
@@ -55,7 +55,7 @@ def _doctor_figure(model: dict, max_model_len: int, geometry: str | None) -> tup
     line = ["vllm", "serve", str(TINY), "--block-size", str(BLOCK_SIZE)]
     line += ["--max-model-len", str(max_model_len)]
     with capacity.forced_geometry(geometry):
-        predicted = prediction.predict(line, {"text_config": model})
+        predicted = predict_line(line, {"text_config": model})
         messages = [f.message for f in fix_doctor.prediction_findings(predicted)]
     decided = predicted.decision.geometry.value
     figure = next(m for m in messages if m.startswith("KV tokens per GiB per rank at "))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doctor_runs import predict_line
 from fix_releases import covered
 
 from vllm_mla_fixes import serve_line
@@ -66,7 +67,7 @@ def _engine(line: list[str], model: dict | None = None, max_model_len: int = 819
     planner, with the fix applied.  Returns its config and the decision the
     engine's process recorded."""
     with serve_line.cuda_device_type_while_parsing():
-        args = serve_line.engine_args(line)
+        args = serve_line.engine_args(serve_line.parse(line))
     with repro.sm120_platform():
         block_size = args.block_size or upstream.picked_block_size(
             upstream.declared_kernel_blocks()
@@ -126,9 +127,7 @@ def test_doctor_does_not_report_the_backend_alone_as_offloading():
     built its own settings and said "gets the per-ratio geometry (KV offloading
     is configured ...)" for this line."""
     line = [*REPORT_LINE, "--kv-offloading-backend", "native"]
-    messages = " | ".join(
-        f.message for f in fix_doctor.prediction_findings(prediction.predict(line))
-    )
+    messages = " | ".join(f.message for f in fix_doctor.prediction_findings(predict_line(line)))
     if _decision_for(line)[0] == fix.UPSTREAM:  # 0.34.0: --block-size 64 works upstream
         assert "upstream's --block-size 64 layout starts" in messages
     else:
@@ -137,14 +136,14 @@ def test_doctor_does_not_report_the_backend_alone_as_offloading():
     assert "--kv-offloading-backend native without --kv-offloading-size enables nothing" in (
         messages
     )
-    plain = fix_doctor.prediction_findings(prediction.predict(REPORT_LINE))
+    plain = fix_doctor.prediction_findings(predict_line(REPORT_LINE))
     assert not any("--kv-offloading-backend" in f.message for f in plain)
 
 
 @pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
 def test_report_line_gets_the_engines_decision_off_the_gpu_node(dspark):
     line = [*REPORT_LINE, "--max-model-len", "8192", *(DSPARK if dspark else [])]
-    predicted = prediction.predict(line)
+    predicted = predict_line(line)
     engine_config, decision = _engine(line)
     assert predicted.decision == decision
     assert predicted.engine_report() == engine_report(engine_config, decision)
@@ -163,7 +162,7 @@ def test_report_line_gets_the_engines_decision_off_the_gpu_node(dspark):
 def test_reported_shapes_are_named_with_their_reports():
     """16 heads with top-k 512 (TP4) and 64 heads with top-k 1152 (TP1)."""
     line = [*REPORT_LINE, "--max-model-len", "8192"]
-    decision = prediction.predict(line).decision
+    decision = predict_line(line).decision
     shapes = (
         prediction.flashinfer_shapes(16, 128, 512, decision)[0]
         + prediction.flashinfer_shapes(64, 128, 1152, decision)[0]
@@ -224,7 +223,7 @@ def test_doctor_decides_what_the_engine_decides_on_other_checkpoints(name, block
         str(model["max_position_embeddings"]),
         *(DSPARK if dspark else []),
     ]
-    predicted = prediction.predict(line, {"text_config": model})
+    predicted = predict_line(line, {"text_config": model})
     engine_config, decision = _engine(line, model, model["max_position_embeddings"])
     assert predicted.model_figures == "from config.json"
     assert predicted.decision == decision
@@ -264,7 +263,7 @@ def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch,
         "32768",
     ]
     # doctor's object adds its comparison with upstream's best working layout
-    doctor_object = prediction.predict(line, {"text_config": model}).engine_report()
+    doctor_object = predict_line(line, {"text_config": model}).engine_report()
     vllm_mla_fixes.revert_all()
     swap_fix(fix.for_capability((12, 0)))
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
@@ -272,7 +271,7 @@ def test_doctor_json_dsv41_object_is_the_engines_status_json_object(monkeypatch,
         with repro.sm120_platform():
             vllm.plugins.load_general_plugins()
             with serve_line.cuda_device_type_while_parsing():
-                args = serve_line.engine_args(line)
+                args = serve_line.engine_args(serve_line.parse(line))
             repro.plan_geometry(
                 128, model=model, settings=prediction.engine_settings(args), max_model_len=32768
             )

@@ -478,7 +478,7 @@ def test_statements_are_what_vllm_answers_on_sm12x(fresh, capability):
     from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import sm120_platform
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.simulated import sm120_platform
 
     statements = {s.name: s for s in fresh.vllm_statements(capability)}
     expected = STATEMENTS[_release()]

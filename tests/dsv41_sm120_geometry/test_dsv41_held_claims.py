@@ -26,12 +26,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from doctor_runs import predict_line
 from fix_releases import covered
 
 from vllm_mla_fixes import serve_line
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry import engine as engine_module
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import prediction, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import decide
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, engine_config
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.fix_state import STATE
@@ -453,7 +454,7 @@ def _engine_from_vllms_args(line: list[str], model: dict, max_model_len: int):
     from vllm.config import ParallelConfig
 
     with serve_line.cuda_device_type_while_parsing():
-        args = serve_line.engine_args(line)
+        args = serve_line.engine_args(serve_line.parse(line))
     sections: dict[str, Any] = {
         "parallel_config": _section(ParallelConfig, args),
         "attention_config": args.attention_config,
@@ -498,7 +499,7 @@ def test_doctor_decides_what_the_engine_decides_one_field_from_flash(case, monke
         "2",
     ]
     line += ["--max-model-len", "16384", *LINES[case]]
-    predicted = prediction.predict(line, {"text_config": _config_json(line, model)})
+    predicted = predict_line(line, {"text_config": _config_json(line, model)})
     engine, decision = _engine_from_vllms_args(line, model, 16384)
     assert predicted.model_figures == "from config.json"
     differing = {

@@ -6,7 +6,7 @@ own scheduler and FA4's own Split-KV decision (vLLM 0.25.x; child process).
    step's prefill requests that already have context are one MLA context
    chunk (query = the step's new prefill tokens, key = their contexts).
 2. FA4's ``_flash_attn_fwd`` decides the chunk's kernel with fake tensors
-   (``vllm_mla_fixes.reproductions.fa4_compile_strides.plan``: B200 stand-in,
+   (``vllm_mla_fixes.reproductions.fa4_on_cpu.plan``: B200 stand-in,
    compile-only, nothing launches), with the GPU test's call probe
    (``inprocess/call_probes.py``) installed on the same interface, so the
    probe's record of each call is checked against the decision too.
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     chunks = scheduled_context_chunks(args.max_num_seqs)
 
-    from vllm_mla_fixes.reproductions import fa4_compile_strides as repro
+    from vllm_mla_fixes.reproductions import fa4_on_cpu as repro
 
     env = repro.prepare()
     warmup_q = sorted({r.compile_spec.max_seqlen_q for r in repro.warmup_requests(env)})

@@ -29,7 +29,7 @@ _session: dict = {"stack": None, "outcomes": {}}
 
 def pytest_configure(config):
     from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import sm120_platform
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.simulated import sm120_platform
     from vllm_mla_fixes.patching import State, run_fix
 
     mode = os.environ.get(FIX_ENV)

@@ -14,13 +14,13 @@ from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import (
 )
 
 if TYPE_CHECKING:
+    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.prediction import Prediction, Shape
     from vllm_mla_fixes.report import Environment, Finding, ServeLine
 
 
 def diagnose(env: Environment, serve: ServeLine | None) -> list[Finding]:
     """``vllm-mla-fixes doctor``'s findings for this fix on a release its probe
-    decides (``env``: a :class:`~vllm_mla_fixes.report.Environment`, ``serve``:
-    a :class:`~vllm_mla_fixes.report.ServeLine` or None)."""
+    decides: ``serve`` is doctor's one parse of the line (None without one)."""
     from vllm_mla_fixes.report import fix_verdict
 
     out_of_scope = _out_of_scope_finding(env, serve)
@@ -234,18 +234,17 @@ INDEXER_FP8_FLAG = '--attention-config \'{"indexer_kv_dtype": "fp8"}\''
 MOE_MARLIN_FLAG = "--moe-backend marlin"
 
 
-def predicted_geometry(serve: Any, fixed: bool = True, why_not: Any = None) -> list[Any]:
+def predicted_geometry(
+    serve: ServeLine, fixed: bool = True, why_not: Finding | None = None
+) -> list[Finding]:
     """doctor's findings on what ``serve`` gets on SM12x: the fix's own
-    decision, in this process, on the engine config vLLM's parser builds from
-    the line and the model's config.json (works where no GPU is visible)."""
+    decision, in this process, on the engine config vLLM builds from the
+    parsed line and the model's config.json (works where no GPU is visible)."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry.prediction import predict
     from vllm_mla_fixes.report import Finding
-    from vllm_mla_fixes.serve_line import Rejected
 
     try:
-        prediction = predict(serve.raw, serve.model_config or None)
-    except Rejected as exc:  # already in vLLM's words
-        return [_rejected(str(exc))]
+        prediction = predict(serve)
     except (ValueError, AssertionError) as exc:  # vLLM's configs and planner refuse the line
         first = " ".join(str(exc).strip().splitlines()[:2])
         return [_rejected(f"{type(exc).__name__}: {first}")]
@@ -260,7 +259,7 @@ def predicted_geometry(serve: Any, fixed: bool = True, why_not: Any = None) -> l
     return prediction_findings(prediction, fixed, why_not)
 
 
-def _rejected(message: str) -> Any:
+def _rejected(message: str) -> Finding:
     from vllm_mla_fixes.report import Finding
 
     return Finding(
@@ -271,7 +270,9 @@ def _rejected(message: str) -> Any:
     )
 
 
-def prediction_findings(prediction: Any, fixed: bool = True, why_not: Any = None) -> list[Any]:
+def prediction_findings(
+    prediction: Prediction, fixed: bool = True, why_not: Finding | None = None
+) -> list[Finding]:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
@@ -305,7 +306,7 @@ def prediction_findings(prediction: Any, fixed: bool = True, why_not: Any = None
     return findings
 
 
-def _capacity_line(prediction: Any, fixed: bool) -> str:
+def _capacity_line(prediction: Prediction, fixed: bool) -> str:
     """The decision's capacity figures, each stated once."""
     decision = prediction.decision
     at = f"max_model_len {decision.max_model_len}"
@@ -328,7 +329,9 @@ def _capacity_line(prediction: Any, fixed: bool) -> str:
     )
 
 
-def _upstream_findings(prediction: Any, fixed: bool, why_not: Any = None) -> list[Any]:
+def _upstream_findings(
+    prediction: Prediction, fixed: bool, why_not: Finding | None = None
+) -> list[Finding]:
     """What upstream's own layout does on SM12x for the line, from the
     decision (which ``doctor --json`` prints as its ``dsv41`` object)."""
     from vllm_mla_fixes.report import ENABLE_ALL_ADVICE, Finding
@@ -386,7 +389,9 @@ def _upstream_findings(prediction: Any, fixed: bool, why_not: Any = None) -> lis
     ]
 
 
-def _fixed_findings(prediction: Any, size: str, problem: str, facts: dict[str, Any]) -> list[Any]:
+def _fixed_findings(
+    prediction: Prediction, size: str, problem: str, facts: dict[str, Any]
+) -> list[Finding]:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
@@ -414,7 +419,7 @@ def _fixed_findings(prediction: Any, size: str, problem: str, facts: dict[str, A
     return findings
 
 
-def _shape_findings(prediction: Any) -> list[Any]:
+def _shape_findings(prediction: Prediction) -> list[Finding]:
     from vllm_mla_fixes.report import Finding
 
     name = INFO.name
@@ -426,7 +431,7 @@ def _shape_findings(prediction: Any) -> list[Any]:
             )
         ]
 
-    def described(shape: Any) -> str:
+    def described(shape: Shape) -> str:
         extra = f", extra page {shape.extra_page}" if shape.extra_page else ""
         return (
             f"{shape.heads} heads (TP {tp}), top-k {shape.topk}, page {shape.page}"

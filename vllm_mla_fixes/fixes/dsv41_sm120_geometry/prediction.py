@@ -1,13 +1,17 @@
 """What a DeepSeek-V4.1 serve line gets on SM12x, predicted in ``doctor``'s
 own process where no GPU is visible: the engine's own decision.
 
-1. The line is parsed by the installed vLLM's ``vllm serve`` parser into
-   ``AsyncEngineArgs`` (:mod:`vllm_mla_fixes.serve_line`).
+1. The namespace the installed vLLM's ``vllm serve`` parser built from the
+   line (doctor's one parse, held by its :class:`~vllm_mla_fixes.report.ServeLine`)
+   becomes ``AsyncEngineArgs``, as ``vllm serve`` builds them
+   (:func:`vllm_mla_fixes.serve_line.engine_args`).
 2. The settings the decision reads go into a real ``VllmConfig`` (its
    post-init resolves them as at start-up: ``--kv-offloading-size`` becomes an
    offloading connector, ``--kv-offloading-backend`` alone enables nothing),
    with the operator's ``config.json`` as its model config (the built-in
-   DeepSeek-V4.1-Flash layout where there is none).
+   DeepSeek-V4.1-Flash layout where there is none), built by
+   :mod:`~vllm_mla_fixes.fixes.dsv41_sm120_geometry.simulated` as the
+   reproductions build theirs.
 3. :func:`~.decision.decide` runs on it with vLLM's platform answering as an
    SM120 device -- the same function, on the same inputs, that each engine
    process calls -- so ``doctor --json``'s ``dsv41`` object is the one
@@ -24,14 +28,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import simulated, upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import Decision, decide_for
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.engine import EngineConfig, engine_config
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.info import PAGE_ROWS, UPSTREAM_SWA_BLOCK
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.status import engine_report
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.vocabulary import Geometry
+
+if TYPE_CHECKING:
+    from vllm_mla_fixes.report import ServeLine
 
 # Per-rank shapes users reported with no SM120 sparse-MLA kernel: (heads, top-k) -> reports.
 REPORTED_SHAPES = {
@@ -107,14 +114,9 @@ class Prediction:
         return round(self.decision.fix_tokens / self.best_working_upstream[1], 4)
 
 
-def engine_settings(args: Any) -> Any:
+def engine_settings(args: Any) -> simulated.EngineSettings:  # args: an AsyncEngineArgs
     """The parts of the engine config the decision reads, as vLLM config objects."""
     from vllm.config import CacheConfig, ParallelConfig
-
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.capacity import (
-        speculative_config_as_written,
-    )
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import EngineSettings
 
     cache_fields = set(CacheConfig.__dataclass_fields__)
     cache_options = {
@@ -142,45 +144,47 @@ def engine_settings(args: Any) -> Any:
         sections["kv_transfer_config"] = args.kv_transfer_config
     attached = {}
     if args.speculative_config is not None:
-        attached["speculative_config"] = speculative_config_as_written(
+        attached["speculative_config"] = simulated.speculative_config_as_written(
             {k.replace("-", "_"): v for k, v in args.speculative_config.items()}
         )
-    return EngineSettings(cache_options=cache_options, sections=sections, attached=attached)
+    return simulated.EngineSettings(
+        cache_options=cache_options, sections=sections, attached=attached
+    )
 
 
 def model_text(model_config: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
     """The model's text config (its ``text_config`` where it has one) and
     where its figures come from: the operator's config.json where it holds
     the DeepSeek-V4.1 topology, else DeepSeek-V4.1-Flash's."""
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions.failures import DSV41_FLASH
-
     text = (model_config or {}).get("text_config", model_config or {})
     if isinstance(text, dict) and "compress_ratios" in text:
         return text, "from config.json"
-    return dict(DSV41_FLASH), "DeepSeek-V4.1-Flash's (no DeepSeek-V4.1 config.json read here)"
+    return (
+        dict(simulated.DSV41_FLASH),
+        "DeepSeek-V4.1-Flash's (no DeepSeek-V4.1 config.json read here)",
+    )
 
 
-def predict(serve_argv: list[str], model_config: dict[str, Any] | None = None) -> Prediction:
-    """The decision an SM12x engine takes for the line; raises
-    :class:`~vllm_mla_fixes.serve_line.Rejected` (vLLM's words) where vLLM's
-    parser or configs refuse it."""
+def predict(serve: ServeLine) -> Prediction:
+    """The decision an SM12x engine takes for the line, from doctor's one
+    parse of it and the model's config.json it read; raises what vLLM's
+    configs and planner raise where they refuse the line."""
     import vllm
 
-    from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
     from vllm_mla_fixes.serve_line import cuda_device_type_while_parsing, engine_args
 
     with cuda_device_type_while_parsing() as platform, _model_name_kept():
-        args = engine_args(serve_argv)
+        args = engine_args(serve.namespace)
     settings = engine_settings(args)
-    text, figures = model_text(model_config)
+    text, figures = model_text(serve.model_config or None)
     length = args.max_model_len or text.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
-    with repro.sm120_platform():
+    with simulated.sm120_platform():
         block_size = args.block_size or upstream.picked_block_size(
             upstream.declared_kernel_blocks()
         )
-        config = repro.make_vllm_config(block_size, None, settings)
+        config = simulated.make_vllm_config(block_size, None, settings)
         config.cache_config.user_specified_block_size = args.block_size is not None
-        repro.attach_model(config, text, (), int(length))
+        simulated.attach_model(config, text, (), int(length))
         engine = engine_config(config)
         decision = decide_for(engine, config)
         _planner_refusal(engine, config, decision, block_size)
@@ -207,7 +211,7 @@ def predict(serve_argv: list[str], model_config: dict[str, Any] | None = None) -
             speculative_method=engine.speculative_method,
             kv_offloading_size=args.kv_offloading_size,
             kv_offloading_backend=args.kv_offloading_backend
-            if any(a.split("=")[0] == "--kv-offloading-backend" for a in serve_argv)
+            if any(a.split("=")[0] == "--kv-offloading-backend" for a in serve.raw)
             else None,
             kv_connector=engine.kv_connector if config.kv_transfer_config is not None else None,
         ),

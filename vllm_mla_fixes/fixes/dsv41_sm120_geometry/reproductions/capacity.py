@@ -8,7 +8,7 @@ figure (``get_kv_cache_capacity``: "GPU KV cache size: N tokens").  The fixed
 rows apply the fix as on an SM120 device; its spec producers then ask the
 fix's own ``decide`` with the engine config the row (or the serve
 line) builds, exactly as they do at start-up.  ``benchmarks/dsv41_kv_capacity.py``
-prints the table; ``doctor`` quotes the figures for an operator's serve line.
+prints the table; ``doctor`` plans an operator's serve line with the same planner.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import simulated
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.decision import (
     decide,
     flashinfer_takes_runtime_swa_pages,
@@ -61,33 +62,6 @@ class Row:
 
     def versus(self, baseline: Row) -> float:
         return self.tokens / baseline.tokens
-
-
-def speculative_config_as_written(options: dict[str, Any]) -> Any:
-    """vLLM's ``SpeculativeConfig`` holding ``options`` as a serve line writes them.
-
-    Its validation resolves the draft from the target model's checkpoint
-    (DSpark: the stages shipped inside it), which is not on the machine where
-    operators write serve lines, so the object is created without it: every
-    field takes its declared default, then the line's values.  The geometry
-    decision reads only which method is configured."""
-    from vllm.config import SpeculativeConfig
-
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(SpeculativeConfig)})
-    if unknown:
-        raise ValueError(f"--speculative-config has no field(s) {unknown}")
-    config = object.__new__(SpeculativeConfig)
-    for field in dataclasses.fields(SpeculativeConfig):
-        if field.name in options:
-            value = options[field.name]
-        elif field.default is not dataclasses.MISSING:
-            value = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            value = field.default_factory()
-        else:
-            value = None
-        object.__setattr__(config, field.name, value)
-    return config
 
 
 @contextlib.contextmanager
@@ -147,7 +121,7 @@ def measure(
     label: str,
     block_size: int,
     max_model_lens: tuple[int, ...],
-    settings: repro.EngineSettings | None = None,
+    settings: simulated.EngineSettings | None = None,
     fixed: bool = True,
     model: dict[str, Any] | None = None,
 ) -> list[Row]:
@@ -211,7 +185,7 @@ def upstream_rows(
             f"upstream --block-size {block_size} (SWA 32{drafters})",
             block_size,
             max_model_lens,
-            settings=repro.EngineSettings(drafter_ratios=drafter_ratios),
+            settings=simulated.EngineSettings(drafter_ratios=drafter_ratios),
             fixed=False,
         )
     ]
@@ -223,7 +197,7 @@ def default_block_size() -> int:
     test checks against the platform's real choice)."""
     from vllm_mla_fixes.fixes.dsv41_sm120_geometry import upstream
 
-    with repro.sm120_platform():
+    with simulated.sm120_platform():
         return upstream.picked_block_size(upstream.declared_kernel_blocks())
 
 
@@ -247,9 +221,9 @@ def benchmark_rows(max_model_lens: tuple[int, ...] = MAX_MODEL_LENS) -> list[Row
 
 def _fixed_rows(block_size: int, line_label: str, max_model_lens: tuple[int, ...]) -> list[Row]:
     rows = []
-    with repro.sm120_platform(), forced_geometry(None):
+    with simulated.sm120_platform(), forced_geometry(None):
         rows += measure(f"fixed, {line_label}", block_size, max_model_lens)
-    with repro.sm120_platform(), forced_geometry(fix.PER_RATIO):
+    with simulated.sm120_platform(), forced_geometry(fix.PER_RATIO):
         rows += measure(
             f"fixed, {line_label}, forced fallback: per-ratio (ratio-1 64, ratio-2 128, SWA 64)",
             block_size,
@@ -268,9 +242,13 @@ def _fixed_rows(block_size: int, line_label: str, max_model_lens: tuple[int, ...
         drafter_pages.append((f", {fix.DRAFTER_SWA_ENV}=64", drafter_pages_kept_at_64))
     for count in DSPARK_DRAFTER_COUNTS:
         for suffix, pages in drafter_pages:
-            with repro.sm120_platform(), forced_geometry(None), pages():
-                dspark = repro.EngineSettings(
-                    attached={"speculative_config": speculative_config_as_written(DSPARK_OPTIONS)},
+            with simulated.sm120_platform(), forced_geometry(None), pages():
+                dspark = simulated.EngineSettings(
+                    attached={
+                        "speculative_config": simulated.speculative_config_as_written(
+                            DSPARK_OPTIONS
+                        )
+                    },
                     drafter_ratios=(0,) * count,
                 )
                 rows += measure(

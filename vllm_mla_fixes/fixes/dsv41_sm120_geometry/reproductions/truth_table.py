@@ -2,7 +2,7 @@
 
 One cell per ``--block-size`` (64, 128, not given), speculative method (none,
 DSpark, ngram) and device (SM120, SM121).  Each cell runs, on CPU with the
-platform answering as that device (:func:`repro.sm120_platform`):
+platform answering as that device (:func:`simulated.sm120_platform`):
 
 * upstream's start-up (vLLM's layers, planner, kernel block sizes, metadata
   builders, allocation and binding), giving vLLM's own error where it stops;
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mla_fixes.fixes import dsv41_sm120_geometry as fix
-from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, upstream
+from vllm_mla_fixes.fixes.dsv41_sm120_geometry import envelope, simulated, upstream
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import capacity
 from vllm_mla_fixes.fixes.dsv41_sm120_geometry.reproductions import failures as repro
 
@@ -99,24 +99,24 @@ def _str_keys(values: Mapping[int, object] | None) -> dict[str, object] | None:
     return None if values is None else {str(k): v for k, v in values.items()}
 
 
-def _settings(speculation: str) -> repro.EngineSettings:
+def _settings(speculation: str) -> simulated.EngineSettings:
     options = SPECULATION[speculation]
     if options is None:
-        return repro.EngineSettings()
-    attached = {"speculative_config": capacity.speculative_config_as_written(options)}
+        return simulated.EngineSettings()
+    attached = {"speculative_config": simulated.speculative_config_as_written(options)}
     drafters = (0,) * DSPARK_DRAFTER_LAYERS if speculation == "dspark" else ()
-    return repro.EngineSettings(attached=attached, drafter_ratios=drafters)
+    return simulated.EngineSettings(attached=attached, drafter_ratios=drafters)
 
 
-def vllm_picked_block_size(settings: repro.EngineSettings) -> int:
+def vllm_picked_block_size(settings: simulated.EngineSettings) -> int:
     """The block size vLLM's platform picks for this model when the line
     gives none: its own ``_preferred_block_size_for_backends`` over the
     backends of the built layers, as its config update runs it."""
     from vllm.config import CacheConfig
     from vllm.platforms import current_platform
 
-    config = repro.make_vllm_config(CacheConfig.DEFAULT_BLOCK_SIZE, None, settings)
-    repro.build_layers(config, repro.DSV41_FLASH, settings.drafter_ratios)
+    config = simulated.make_vllm_config(CacheConfig.DEFAULT_BLOCK_SIZE, None, settings)
+    repro.build_layers(config, simulated.DSV41_FLASH, settings.drafter_ratios)
     platform = type(current_platform)
     backends = platform._find_non_ssm_backends(config)
     return int(
@@ -127,7 +127,7 @@ def vllm_picked_block_size(settings: repro.EngineSettings) -> int:
 
 
 def _upstream_start(
-    block_size: int, settings: repro.EngineSettings
+    block_size: int, settings: simulated.EngineSettings
 ) -> tuple[list[repro.Page] | None, str | None]:
     """Upstream's bound pages for the line, or vLLM's start-up error."""
     geometry = repro.plan_geometry(block_size, settings=settings)
@@ -160,13 +160,13 @@ def cell(capability: tuple[int, int], block_size: int | None, speculation: str) 
 def evaluate(
     capability: tuple[int, int],
     block_size: int | None,
-    settings: repro.EngineSettings,
+    settings: simulated.EngineSettings,
     speculation: str,
     max_model_lens: tuple[int, ...] = MAX_MODEL_LENS,
 ) -> Cell:
     """Upstream's start, pages and capacity, and the fix's decision and
     capacity, for one engine configuration on one device."""
-    with repro.sm120_platform(capability):
+    with simulated.sm120_platform(capability):
         picked = vllm_picked_block_size(settings) if block_size is None else block_size
         pages, error = _upstream_start(picked, settings)
         rejected, unknown = page_verdicts(pages) if pages is not None else ((), ())
@@ -217,13 +217,13 @@ def with_best_working_upstream(cells: list[Cell]) -> list[Cell]:
 
 def best_working_upstream(
     capability: tuple[int, int],
-    settings: repro.EngineSettings,
+    settings: simulated.EngineSettings,
     max_model_lens: tuple[int, ...],
 ) -> tuple[int, dict[int, int]] | None:
     """(block size, tokens per GiB) of the best upstream layout that works for
     these settings (over the block sizes of the table), or None where none works."""
     best: tuple[int, dict[int, int]] | None = None
-    with repro.sm120_platform(capability):
+    with simulated.sm120_platform(capability):
         for block_size in (64, 128):
             pages, _ = _upstream_start(block_size, settings)
             if pages is None:
