@@ -3,6 +3,7 @@ no vLLM source parsed when the key matches, and a screen again on any change."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pathlib
@@ -48,6 +49,25 @@ def test_a_screen_reads_only_the_modules_its_key_covers(fix, cache, monkeypatch)
     _screen_outcome(fix)
     covered = {screen_cache.source_file(module) for module, _ in fix.REVIEWED}
     assert set(read) <= covered, sorted(set(read) - covered)
+
+
+@pytest.mark.parametrize("fix", ALL_FIXES, ids=[f.INFO.name for f in ALL_FIXES])
+def test_a_changed_module_beside_the_screen_changes_its_key(fix, monkeypatch):
+    """The DeepSeek-V4.1 gate screens with constants of ``info`` beside it; a key
+    of the screen's own file alone kept a stale verdict after ``info`` changed."""
+    before = screen_cache.screen_key(fix.REVIEWED, fix.source_screen)
+    folder = Path(inspect.getfile(fix.source_screen)).parent
+    neighbours = [p for p in folder.glob("*.py") if p != Path(inspect.getfile(fix.source_screen))]
+    assert neighbours
+    original = pathlib.Path.read_bytes
+    edited = neighbours[0]
+
+    def edited_read_bytes(self):
+        data = original(self)
+        return data + b"\n# edited\n" if Path(self) == edited else data
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", edited_read_bytes)
+    assert screen_cache.screen_key(fix.REVIEWED, fix.source_screen) != before, edited
 
 
 @pytest.mark.vllm_release(newest_of_earliest_fix(), *first_covered_after(newest_of_earliest_fix()))

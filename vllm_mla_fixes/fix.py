@@ -40,7 +40,7 @@ class Fix:
     REVIEWED: Mapping[tuple[str, str], Mapping[str, str]]
     """The vLLM definitions it wraps or reads, by (module, qualified name):
     fingerprint -> the releases it was reviewed in (``review``).  The source
-    screen's cache keys on these and on the screen's own module."""
+    screen's cache keys on these, the screen's own folder and patching."""
     DOCTOR_JSON_KEY: str | None
     """The top-level key of ``doctor --json`` under which its findings'
     facts go; None where they have none."""

@@ -81,15 +81,17 @@ def _digest(paths: Iterable[Path | None], names: Iterable[str], extra: str = "")
 def screen_key(
     reviewed: Mapping[tuple[str, str], Mapping[str, str]], screen: Callable[[], str | None]
 ) -> str:
-    """The content key of a source screen on the installed vLLM: ``screen``'s
-    own module, the files of the modules in ``reviewed`` and the table itself."""
+    """The content key of a source screen on the installed vLLM: the files
+    beside ``screen``'s own (it reads their constants, e.g. the DeepSeek-V4.1
+    gate reads ``info``), ``patching``, the files of the modules in
+    ``reviewed`` and the table itself."""
     from vllm_mla_fixes import patching
 
     modules = sorted({module for module, _ in reviewed})
-    own = [Path(inspect.getfile(screen)), Path(patching.__file__)]
+    own = [*sorted(Path(inspect.getfile(screen)).parent.glob("*.py")), Path(patching.__file__)]
     return _digest(
         [*own, *(source_file(m) for m in modules)],
-        [screen.__module__, patching.__name__, *modules],
+        [*(path.name for path in own), *modules],
         extra=repr([(key, sorted(known.items())) for key, known in sorted(reviewed.items())]),
     )
 
