@@ -143,12 +143,12 @@ def _newest_patch_of_each_minor(releases: tuple[str, ...]) -> tuple[str, ...]:
 # the patch releases of one minor carry the same code of every reviewed
 # definition (their REVIEWED fingerprints agree).
 VERIFY_RELEASES = _newest_patch_of_each_minor(COVERED_RELEASES)
-# A fix's injected bugs live beside its tests (tests/<fix module>/injections.py).
+# A fix's injected bugs live beside its tests (tests/<fix name, "_" for "-">/injections.py).
 INJECTION_SUITES = {
     suite: fix.INFO.covered_releases
     for fix in ALL_FIXES
     if (
-        suite := ROOT / "tests" / fix.__name__.rsplit(".", 1)[-1] / "test_bug_injections.py"
+        suite := ROOT / "tests" / fix.INFO.name.replace("-", "_") / "test_bug_injections.py"
     ).exists()
 }
 INJECTION_RELEASES = sorted({r for rs in INJECTION_SUITES.values() for r in rs}, key=Version)
