@@ -97,3 +97,33 @@ def no_status_keys(args: argparse.Namespace) -> dict[str, object]:
 def status_as_applied(applied: FixStatus) -> FixStatus:
     """``status_in_process``: what it decided at ``register()`` stands."""
     return applied
+
+
+def plain_fix(
+    *,
+    INFO: FixInfo,
+    REVIEWED: Mapping[tuple[str, str], Mapping[str, str]],
+    probe: Callable[[], str | None],
+    apply: Callable[[Patch], None],
+    source_screen: Callable[[], str | None],
+    diagnose: Callable[[Environment, ServeLine | None], list[Finding]],
+    verify: Callable[[Callable[[str], None]], bool],
+) -> Fix:
+    """The record of a fix with no settings, set-up, commands, kernel
+    statements, status keys or per-engine status of its own."""
+    return Fix(
+        INFO=INFO,
+        SETTINGS=(),
+        REVIEWED=REVIEWED,
+        DOCTOR_JSON_KEY=None,
+        probe=probe,
+        apply=apply,
+        source_screen=source_screen,
+        status_in_process=status_as_applied,
+        diagnose=diagnose,
+        prepare_verify=no_preparation,
+        verify=verify,
+        add_commands=no_commands,
+        kernel_disagreements=no_disagreements,
+        status_json=no_status_keys,
+    )

@@ -75,7 +75,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from vllm_mla_fixes import fix, patching, settings
-from vllm_mla_fixes.fix import Fix
 from vllm_mla_fixes.patching import CannotProbe, FixInfo, Patch, TargetMismatch
 
 if TYPE_CHECKING:
@@ -562,20 +561,12 @@ def verify(report: Callable[[str], None]) -> bool:
     return fa4_compile_strides.verify(report)
 
 
-FIX = Fix(
+FIX = fix.plain_fix(
     INFO=INFO,
-    SETTINGS=(),  # it reads no setting of its own
     REVIEWED=REVIEWED,
-    DOCTOR_JSON_KEY=None,
     probe=probe,
     apply=apply,
     source_screen=source_screen,
-    status_in_process=fix.status_as_applied,
     diagnose=diagnose,
-    # nothing of its own for set-up, commands, kernel statements or status keys
-    prepare_verify=fix.no_preparation,
     verify=verify,
-    add_commands=fix.no_commands,
-    kernel_disagreements=fix.no_disagreements,
-    status_json=fix.no_status_keys,
 )
